@@ -1,0 +1,142 @@
+"""`jaxspec.load`: an HF checkpoint folder or a GGUF file -> a `Model` handle (Flax module, config, tokenizer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .registry import family_for
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+@dataclasses.dataclass
+class Model:
+    """What `generate` needs: the Flax module (params inside), its config, and the checkpoint's extras."""
+
+    module: nnx.Module
+    config: Any  # the family's frozen config dataclass
+    hf_config: dict[str, Any]
+    tokenizer: Any | None = None
+    generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def dtype(self):
+        return self.module.dtype
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids as HF resolves them: the generation config's, else the model config's."""
+        eos = self.generation_config.get("eos_token_id", None)
+        if eos is None:
+            return tuple(self.config.eos_token_id)
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def default_dtype() -> jnp.dtype:
+    """float32 on CPU (XLA's CPU bf16 matmuls are many times slower), bfloat16 on accelerators."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def load(path: str, dtype: Any = None, progress: bool = False) -> Model:
+    """Load an HF folder (config.json + model.safetensors or a sharded index) or a `.gguf` file.
+
+    Every tensor is used or explicitly ignored; a missing, extra or mis-shaped tensor raises an error naming it.
+    Torch is never imported.
+    """
+    dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
+    path = os.fspath(path)
+    if path.endswith(".gguf"):
+        return _load_gguf(path, dtype, progress)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"No checkpoint folder or .gguf file at {path!r}.")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{path} has no config.json; jaxspec needs it to know the model's architecture.")
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    family = family_for(hf_config, config_path)
+    cfg = family.config_from_hf(hf_config)
+    from jaxspec.convert.safetensors_io import SafetensorsCheckpoint
+
+    source = SafetensorsCheckpoint(path)
+    params = family.converter()(cfg, source, np.dtype(dtype), progress=_progress_bar(path) if progress else None)
+    module = build_module(family.model_cls(), cfg, dtype, params)
+    return Model(
+        module=module,
+        config=cfg,
+        hf_config=hf_config,
+        tokenizer=_load_tokenizer(path),
+        generation_config=_read_json(os.path.join(path, "generation_config.json")),
+        source=path,
+    )
+
+
+def build_module(model_cls, cfg, dtype, params: dict[str, np.ndarray]) -> nnx.Module:
+    """Instantiate the module abstractly (no random init at real sizes), then fill in the converted params."""
+    abstract = nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype))
+    graphdef, state = nnx.split(abstract)
+    pure = {name: jnp.asarray(value, dtype=dtype) for name, value in params.items()}
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+def _load_gguf(path: str, dtype, progress: bool) -> Model:
+    from jaxspec.convert.gguf import read_gguf
+
+    ckpt = read_gguf(path)
+    family = family_for(ckpt.hf_config, path)
+    cfg = family.config_from_hf(ckpt.hf_config)
+    source = _GGUFSource(ckpt)
+    params = family.converter()(cfg, source, np.dtype(dtype), progress=_progress_bar(path) if progress else None)
+    return Model(
+        module=build_module(family.model_cls(), cfg, dtype, params),
+        config=cfg,
+        hf_config=ckpt.hf_config,
+        tokenizer=ckpt.load_tokenizer(),
+        generation_config={},
+        source=path,
+    )
+
+
+class _GGUFSource:
+    """Adapts a GGUF checkpoint (already in HF names and layout) to the converter's tensor-source protocol."""
+
+    def __init__(self, ckpt):
+        self._ckpt = ckpt
+        self.shapes = dict(ckpt.tensor_shapes)
+
+    def read(self, name: str) -> np.ndarray:
+        return self._ckpt.read_tensor(name)
+
+
+def _load_tokenizer(folder: str):
+    if not any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _progress_bar(label: str):
+    def report(step: int, total: int):
+        if step % max(1, total // 20) == 0 or step == total - 1:
+            print(f"\rconverting {os.path.basename(label)}: {step + 1}/{total} tensors", end="", flush=True)
+            if step == total - 1:
+                print()
+
+    return report

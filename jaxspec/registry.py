@@ -1,0 +1,45 @@
+"""Model families by HF `model_type`. The core imports families only through this table, lazily."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    model_module: str  # defines the config class and the Flax module
+    config_class: str
+    model_class: str
+    convert_module: str  # defines convert_checkpoint(cfg, source, dtype, progress) -> {param: array}
+
+    def config_from_hf(self, hf_config: dict[str, Any]):
+        return getattr(importlib.import_module(self.model_module), self.config_class).from_hf_config(hf_config)
+
+    def model_cls(self):
+        return getattr(importlib.import_module(self.model_module), self.model_class)
+
+    def converter(self):
+        return importlib.import_module(self.convert_module).convert_checkpoint
+
+
+_LLAMA = Family("jaxspec.models.llama", "LlamaConfig", "LlamaForCausalLM", "jaxspec.convert.llama")
+
+FAMILIES: dict[str, Family] = {
+    "llama": _LLAMA,
+    "qwen2": _LLAMA,
+}
+
+
+def family_for(hf_config: dict[str, Any], where: str) -> Family:
+    """The family named by config.json's `model_type`; never guessed from a folder or file name."""
+    model_type = hf_config.get("model_type")
+    if model_type is None:
+        raise ValueError(f"{where}: config has no `model_type`, so jaxspec cannot tell which model family it is.")
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"{where}: unknown model_type {model_type!r} (architectures={hf_config.get('architectures')}). "
+            f"jaxspec supports: {sorted(FAMILIES)}."
+        )
+    return FAMILIES[model_type]

@@ -1,0 +1,99 @@
+"""Building blocks shared by the model families: RMSNorm, rotary embeddings, cached attention, gated MLP.
+
+Everything here is a pure function of arrays. Modules in the family files own the parameters and call these.
+Dimension letters: B batch, T query length, S cache length, D model width, H query heads, K kv heads
+(in this file only), G = H // K query heads per kv head, Dh head width, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as Llama defines it: normalise in float32, cast back, then scale (HF `LlamaRMSNorm`)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rotary position embeddings
+
+
+def default_inv_freq(head_dim: int, theta: float, rotary_dim: int | None = None) -> jax.Array:
+    """Inverse frequencies of the original RoPE, one per pair of rotated dimensions. [rotary_dim // 2]"""
+    rotary_dim = rotary_dim or head_dim
+    return 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+
+
+def llama3_inv_freq(
+    head_dim: int,
+    theta: float,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> jax.Array:
+    """Llama 3.1 frequency scaling: long wavelengths are divided by `factor`, short ones kept, the band between
+    interpolated smoothly (HF `_compute_llama3_parameters`)."""
+    inv_freq = default_inv_freq(head_dim, theta)
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return jnp.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attention_scaling: float = 1.0) -> jax.Array:
+    """Rotate the first `2 * len(inv_freq)` dims of x in HF's rotate-half layout; the rest pass through.
+
+    x: [B, T, N, Dh], positions: [B, T] (absolute positions, so a row's cache index equals its position).
+    """
+    rotary_dim = 2 * inv_freq.shape[0]
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, rotary_dim/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, rotary_dim]
+    cos = (jnp.cos(angles) * attention_scaling).astype(x.dtype)
+    sin = (jnp.sin(angles) * attention_scaling).astype(x.dtype)
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated_half = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    out = x_rot * cos + rotated_half * sin
+    return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention over a position-indexed cache
+
+
+def cached_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, scale: float
+) -> jax.Array:
+    """Causal grouped-query attention of T new queries against a cache that already holds them.
+
+    q: [B, T, H, Dh]; k_cache, v_cache: [B, S, K, Dh]; positions: [B, T]. The cache index is the absolute
+    position, so the causal mask alone (key index <= query position) selects every live entry: entries past a
+    row's committed length are stale drafts or padding and sit at later positions, where no query looks.
+    Returns [B, T, H, Dh].
+    """
+    b, t, h, dh = q.shape
+    kv_heads = k_cache.shape[2]
+    q = q.reshape(b, t, kv_heads, h // kv_heads, dh)  # [B, T, K, G, Dh]
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32) * scale
+    key_index = jnp.arange(k_cache.shape[1])
+    visible = key_index[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v_cache)
+    return out.reshape(b, t, h, v_cache.shape[-1])
+
+
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU MLP: down(silu(x @ gate) * (x @ up)). x: [..., D], w_gate/w_up: [D, F], w_down: [F, D]."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down

@@ -1,0 +1,243 @@
+"""Llama-family decoder (`LlamaForCausalLM`, `Qwen2ForCausalLM`) as HF transformers defines it.
+
+Layer parameters are stacked on a leading `layers` axis and the forward pass scans over them, so compile time does
+not grow with depth and a contiguous range of layers (the early-exit drafter's first E) is a static slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.cache import KVCache, init_kv_cache
+
+from . import layers as L
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    rope_theta: float
+    rope_type: str = "default"
+    # llama3 scaling, as (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    rope_llama3: tuple[float, float, float, int] | None = None
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> "LlamaConfig":
+        """Build from a config.json dict; raise on anything this implementation would silently get wrong."""
+        model_type = hf.get("model_type")
+        if model_type not in ("llama", "qwen2"):
+            raise ValueError(f"LlamaConfig cannot read model_type={model_type!r}; expected 'llama' or 'qwen2'.")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"hidden_act={act!r} is not supported yet; only 'silu' is.")
+        if hf.get("mlp_bias"):
+            raise NotImplementedError("mlp_bias=True is not supported yet for Llama checkpoints.")
+        if model_type == "qwen2" and hf.get("use_sliding_window"):
+            raise NotImplementedError("Qwen2 with use_sliding_window=True is not supported yet.")
+        rope = _rope_parameters(hf)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise NotImplementedError(f"rope type {rope_type!r} is not supported yet; supported: {SUPPORTED_ROPE_TYPES}.")
+        rope_llama3 = None
+        if rope_type == "llama3":
+            rope_llama3 = (
+                float(rope["factor"]),
+                float(rope["low_freq_factor"]),
+                float(rope["high_freq_factor"]),
+                int(rope["original_max_position_embeddings"]),
+            )
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        attention_bias = bool(hf.get("attention_bias", False))
+        eos = hf.get("eos_token_id")
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and no output bias; Llama has both or neither (`attention_bias`).
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type == "llama" and attention_bias,
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            rope_type=rope_type,
+            rope_llama3=rope_llama3,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            pad_token_id=hf.get("pad_token_id"),
+        )
+
+    def inv_freq(self) -> jax.Array:
+        if self.rope_llama3 is not None:
+            return L.llama3_inv_freq(self.head_dim, self.rope_theta, *self.rope_llama3)
+        return L.default_inv_freq(self.head_dim, self.rope_theta)
+
+
+def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 writes `rope_parameters`; older checkpoints write `rope_theta` and `rope_scaling`."""
+    if hf.get("rope_parameters"):
+        return dict(hf["rope_parameters"])
+    rope = dict(hf.get("rope_scaling") or {})
+    if "rope_theta" in hf:
+        rope["rope_theta"] = hf["rope_theta"]
+    return rope
+
+
+# Logical axes of every parameter; the sharding rules map them to mesh axes.
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "attn_norm": ("layers", "embed"),
+    "wq": ("layers", "embed", "heads", "head_dim"),
+    "wk": ("layers", "embed", "kv_heads", "head_dim"),
+    "wv": ("layers", "embed", "kv_heads", "head_dim"),
+    "bq": ("layers", "heads", "head_dim"),
+    "bk": ("layers", "kv_heads", "head_dim"),
+    "bv": ("layers", "kv_heads", "head_dim"),
+    "wo": ("layers", "heads", "head_dim", "embed"),
+    "bo": ("layers", "embed"),
+    "mlp_norm": ("layers", "embed"),
+    "w_gate": ("layers", "embed", "mlp"),
+    "w_up": ("layers", "embed", "mlp"),
+    "w_down": ("layers", "mlp", "embed"),
+    "final_norm": ("embed",),
+    "lm_head": ("embed", "vocab"),
+}
+
+
+def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every parameter this config has (biases and the untied head only when present)."""
+    n, d, h, k, dh, f, v = (
+        cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+        cfg.vocab_size,
+    )
+    shapes = {
+        "embed": (v, d),
+        "attn_norm": (n, d),
+        "wq": (n, d, h, dh),
+        "wk": (n, d, k, dh),
+        "wv": (n, d, k, dh),
+        "wo": (n, h, dh, d),
+        "mlp_norm": (n, d),
+        "w_gate": (n, d, f),
+        "w_up": (n, d, f),
+        "w_down": (n, f, d),
+        "final_norm": (d,),
+    }
+    if cfg.qkv_bias:
+        shapes |= {"bq": (n, h, dh), "bk": (n, k, dh), "bv": (n, k, dh)}
+    if cfg.o_bias:
+        shapes["bo"] = (n, d)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (d, v)
+    return shapes
+
+
+class LlamaForCausalLM(nnx.Module):
+    """`model(tokens[B,T], positions[B,T], cache) -> (logits[B,T,V], hidden[B,T,D], cache)`.
+
+    `hidden` is the final-normed last hidden state (what an LM head or an MTP layer reads).
+    """
+
+    def __init__(self, cfg: LlamaConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs | None = None):
+        self.cfg = cfg
+        self.dtype = dtype
+        rngs = rngs or nnx.Rngs(0)
+        for name, shape in param_shapes(cfg).items():
+            if "norm" in name:
+                value = jnp.ones(shape, dtype)
+            elif name.startswith("b"):
+                value = jnp.zeros(shape, dtype)
+            else:
+                value = (0.02 * jax.random.normal(rngs.params(), shape)).astype(dtype)
+            setattr(self, name, nnx.Param(value, logical_axes=PARAM_AXES[name]))
+
+    # -- pieces, so drafters can run part of the network ---------------------------------------------------------
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return self.embed[...][tokens]  # [B, T, D]
+
+    def run_layers(
+        self, x: jax.Array, positions: jax.Array, cache: KVCache, start: int = 0, stop: int | None = None
+    ) -> tuple[jax.Array, KVCache]:
+        """Run decoder layers [start, stop) on x: [B, T, D], writing their cache entries at `positions`."""
+        stop = self.cfg.num_layers if stop is None else stop
+        names = [n for n in PARAM_AXES if PARAM_AXES[n][0] == "layers" and hasattr(self, n)]
+        stacked = {n: getattr(self, n)[...][start:stop] for n in names}
+        inv_freq = self.cfg.inv_freq()
+
+        def layer(carry, xs):
+            x, k_cache, v_cache = carry
+            index, p = xs
+            x, k_cache, v_cache = _decoder_layer(self.cfg, p, x, positions, k_cache, v_cache, index, inv_freq)
+            return (x, k_cache, v_cache), None
+
+        indices = jnp.arange(start, stop)
+        (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (indices, stacked))
+        return x, KVCache(k=k, v=v)
+
+    def final_hidden(self, x: jax.Array) -> jax.Array:
+        return L.rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """LM head over final-normed hidden states: [..., D] -> [..., V], always float32."""
+        head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache):
+        x, cache = self.run_layers(self.embed_tokens(tokens), positions, cache)
+        hidden = self.final_hidden(x)
+        return self.logits(hidden), hidden, cache
+
+    def init_cache(self, batch: int, size: int) -> KVCache:
+        c = self.cfg
+        return init_kv_cache(c.num_layers, batch, size, c.num_kv_heads, c.head_dim, self.dtype)
+
+
+def _decoder_layer(cfg: LlamaConfig, p, x, positions, k_cache, v_cache, index, inv_freq):
+    """One pre-norm block. p: this layer's params; k_cache/v_cache: [L, B, S, K, Dh] for all layers."""
+    h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dhk->bthk", h, p["wq"])  # [B, T, H, Dh]
+    k = jnp.einsum("btd,dhk->bthk", h, p["wk"])  # [B, T, K, Dh]
+    v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
+    if cfg.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    q = L.apply_rope(q, positions, inv_freq)
+    k = L.apply_rope(k, positions, inv_freq)
+    rows = jnp.arange(x.shape[0])[:, None]
+    k_cache = k_cache.at[index, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[index, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+    attn = L.cached_attention(q, k_cache[index], v_cache[index], positions, cfg.head_dim**-0.5)
+    out = jnp.einsum("bthk,hkd->btd", attn, p["wo"])
+    if cfg.o_bias:
+        out = out + p["bo"]
+    x = x + out
+    h = L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    return x + L.gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"]), k_cache, v_cache

@@ -1,0 +1,24 @@
+"""Shared fixtures: tiny random HF models built from configs with transformers and saved into temp folders."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+
+from tests import hf_models
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """GQA Llama, untied head, 4 layers: the workhorse target of the suite."""
+    return hf_models.save_tiny("llama", tmp_path_factory.mktemp("llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_draft_dir(tmp_path_factory):
+    """A smaller, differently seeded Llama with the same vocabulary: a weak assistant."""
+    return hf_models.save_tiny("llama", tmp_path_factory.mktemp("llama_draft"), seed=1, num_hidden_layers=2)
