@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .loading import Model
 from .sampling import SamplingParams, select
 from .sharding import ShardingRules, constrain, shard_state
+from .strategies import choose_strategy
 from .strategies.base import Context, Counters, DecodeState, Drafter, Prefill, RoundResult
 from .verify import verify
 
@@ -51,6 +52,7 @@ class GenerateOutput:
     compile_seconds: float
     decode_seconds: float
     strategy: str = "greedy"
+    drafter_summary: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -130,15 +132,73 @@ def generate(
     pad_token_id: int | None = None,
     mesh: Mesh | None = None,
     sharding_rules: ShardingRules | None = None,
-    drafter: Drafter | None = None,
-    assistant: Model | None = None,
+    assistant_model: Model | None = None,
+    num_assistant_tokens: int | None = None,
+    num_assistant_tokens_schedule: str | None = None,
+    assistant_confidence_threshold: float | None = None,
+    max_assistant_tokens: int | None = None,
     assistant_ensemble_weight: float | None = None,
-    strategy_name: str | None = None,
+    prompt_lookup_num_tokens: int | None = None,
+    max_matching_ngram_size: int | None = None,
+    assistant_early_exit: int | None = None,
+    tokenizer: Any = None,
+    assistant_tokenizer: Any = None,
 ) -> GenerateOutput:
-    """Decode with the given drafter (plain decoding when None). `jaxspec.generate` builds the drafter from HF-style
-    arguments; this lower-level entry point takes it ready-made."""
-    drafter = drafter or Drafter()
+    """Generate `max_new_tokens` per row, plainly or with one assisted strategy, in one compiled loop.
+
+    Arguments mirror HF `generate`. Strategy: `assistant_model` (speculative decoding), `prompt_lookup_num_tokens`
+    (n-gram copying), `assistant_early_exit` (the first E layers draft); at most one. Draft length:
+    `num_assistant_tokens`, `num_assistant_tokens_schedule`, `assistant_confidence_threshold` passed here win over
+    the drafting model's generation_config, which wins over HF's defaults (20, "constant", 0.4);
+    `max_assistant_tokens` is the static cap of the draft buffer. Greedy output equals plain greedy decoding for
+    every strategy; sampling is exact except with `assistant_ensemble_weight`, which verifies against the mixture
+    w*p + (1-w)*q by design.
+    """
     sampling = SamplingParams(do_sample=bool(do_sample), temperature=temperature, top_k=top_k, top_p=top_p)
+    choice = choose_strategy(
+        model,
+        do_sample=sampling.do_sample,
+        assistant_model=assistant_model,
+        num_assistant_tokens=num_assistant_tokens,
+        num_assistant_tokens_schedule=num_assistant_tokens_schedule,
+        assistant_confidence_threshold=assistant_confidence_threshold,
+        max_assistant_tokens=max_assistant_tokens,
+        assistant_ensemble_weight=assistant_ensemble_weight,
+        prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+        max_matching_ngram_size=max_matching_ngram_size,
+        assistant_early_exit=assistant_early_exit,
+        tokenizer=tokenizer,
+        assistant_tokenizer=assistant_tokenizer,
+    )
+    output = run_drafter(model, input_ids, attention_mask, choice.drafter, choice.assistant, sampling,
+                         max_new_tokens=max_new_tokens, seed=seed, eos_token_id=eos_token_id,
+                         pad_token_id=pad_token_id, mesh=mesh, sharding_rules=sharding_rules,
+                         ensemble_weight=assistant_ensemble_weight, strategy_name=choice.name)
+    if choice.name == "speculative" and choice.drafter.schedule == "heuristic":
+        # As HF: the "heuristic" schedule's adapted length carries over to the assistant's next call.
+        final = output.drafter_summary["num_assistant_tokens"]
+        assistant_model.generation_config["num_assistant_tokens"] = int(round(float(final.mean())))
+    return output
+
+
+def run_drafter(
+    model: Model,
+    input_ids: Any,
+    attention_mask: Any,
+    drafter: Drafter,
+    assistant: Model | None,
+    sampling: SamplingParams,
+    *,
+    max_new_tokens: int,
+    seed: int = 0,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    mesh: Mesh | None = None,
+    sharding_rules: ShardingRules | None = None,
+    ensemble_weight: float | None = None,
+    strategy_name: str = "custom",
+) -> GenerateOutput:
+    """The loop with a ready-made drafter (for research drafters that `generate`'s arguments do not name)."""
     prompts = _prompt_rows(input_ids, attention_mask)
     _check_budget(model, prompts, max_new_tokens)
     eos_ids = _eos_ids(model, eos_token_id)
@@ -161,7 +221,7 @@ def generate(
         if assistant_state is not None:
             assistant_state = shard_state(assistant_state, mesh, rules)
     spec = LoopSpec(
-        target_graphdef, assistant_graphdef, drafter, sampling, assistant_ensemble_weight, eos_ids, pad_id,
+        target_graphdef, assistant_graphdef, drafter, sampling, ensemble_weight, eos_ids, pad_id,
         prompt_bucket, cache_size, mesh, rules,
     )
     args = (
@@ -178,8 +238,7 @@ def generate(
     start = time.perf_counter()
     final = jax.block_until_ready(compiled(*args))
     decode_seconds = time.perf_counter() - start
-    return _unpack(final, input_ids, prompts, prompt_lengths, pad_id, compile_seconds, decode_seconds,
-                   strategy_name or ("sample" if do_sample else "greedy"))
+    return _unpack(final, input_ids, prompts, prompt_lengths, pad_id, compile_seconds, decode_seconds, strategy_name)
 
 
 _compiled: dict[Any, Any] = {}
@@ -275,7 +334,7 @@ def _pad_id(model: Model, pad_token_id, eos_ids) -> int:
 
 
 def _unpack(final, input_ids, prompts, prompt_lengths, pad_id, compile_seconds, decode_seconds, strategy):
-    tokens, lengths, counters = jax.device_get(final)
+    tokens, lengths, counters, drafter_summary = jax.device_get(final)
     new_counts = lengths - prompt_lengths
     width = int(new_counts.max())
     given = _given_layout(input_ids, prompts, pad_id)
@@ -295,6 +354,7 @@ def _unpack(final, input_ids, prompts, prompt_lengths, pad_id, compile_seconds, 
         compile_seconds=compile_seconds,
         decode_seconds=decode_seconds,
         strategy=strategy,
+        drafter_summary={k: np.asarray(v) for k, v in drafter_summary.items()},
     )
 
 
@@ -329,7 +389,6 @@ def _decode(spec: LoopSpec, target_state, assistant_state, tokens, prompt_length
 
     prefill = _prefill(spec, ctx, tokens, prompt_lengths, max_new_tokens, rng)
     state = dataclasses.replace(prefill.state, drafter=drafter.init(ctx, prefill))
-    budget_end = prompt_lengths + max_new_tokens  # [B] a row is done once its length reaches this
 
     def cond(state: DecodeState):
         some_row_running = ~jnp.all(state.done)  # every row hit EOS or its budget
@@ -338,11 +397,8 @@ def _decode(spec: LoopSpec, target_state, assistant_state, tokens, prompt_length
         room_left = jnp.all(state.done | (state.lengths + drafter.max_draft < spec.cache_size))
         return some_row_running & room_left
 
-    def body(state: DecodeState):
-        return _round(spec, ctx, state, budget_end)
-
-    final = jax.lax.while_loop(cond, body, state)
-    return final.tokens, final.lengths, final.counters
+    final = jax.lax.while_loop(cond, functools.partial(_round, spec, ctx), state)
+    return final.tokens, final.lengths, final.counters, drafter.summary(final.drafter)
 
 
 def _prefill(spec: LoopSpec, ctx: Context, tokens, prompt_lengths, max_new_tokens, rng) -> Prefill:
@@ -364,6 +420,7 @@ def _prefill(spec: LoopSpec, ctx: Context, tokens, prompt_lengths, max_new_token
         tokens=tokens,
         lengths=prompt_lengths + 1,
         prompt_lengths=prompt_lengths,
+        budget_end=prompt_lengths + max_new_tokens,
         done=done,
         cache=cache,
         drafter=(),
@@ -373,7 +430,7 @@ def _prefill(spec: LoopSpec, ctx: Context, tokens, prompt_lengths, max_new_token
     return Prefill(hidden=hidden, state=state)
 
 
-def _round(spec: LoopSpec, ctx: Context, state: DecodeState, budget_end) -> DecodeState:
+def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
     drafter, k = spec.drafter, spec.drafter.max_draft
     rng, draft_rng, verify_rng = jax.random.split(state.rng, 3)
     draft, drafter_state, draft_forwards = drafter.draft(ctx, state, state.drafter, draft_rng)
@@ -406,16 +463,16 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState, budget_end) -> Deco
     else:
         n, verified, hidden, cache = jax.lax.switch(width_index, branches, operands)
 
-    committed, hit_eos = _commit_counts(verified, n, state.lengths, budget_end, ctx.eos_ids)
+    committed, hit_eos = _commit_counts(verified, n, state.lengths, state.budget_end, ctx.eos_ids)
     committed = jnp.where(state.done, 0, committed)
     index = jnp.arange(k + 1)[None, :]
     rows = jnp.arange(verified.shape[0])[:, None]
     write_positions = jnp.where(index < committed[:, None], state.lengths[:, None] + index, spec.cache_size)
     tokens = state.tokens.at[rows, write_positions].set(verified, mode="drop")
     lengths = state.lengths + committed
-    done = state.done | (hit_eos & (committed > 0)) | (lengths >= budget_end)
+    done = state.done | (hit_eos & (committed > 0)) | (lengths >= state.budget_end)
 
-    result = RoundResult(accepted=n, committed=committed, tokens=verified, hidden=hidden, lengths=lengths)
+    result = RoundResult(drafted=count, accepted=n, committed=committed, tokens=verified, hidden=hidden, lengths=lengths)
     drafter_state = drafter.update(ctx, drafter_state, result)
     active = ~state.done
     c = state.counters
@@ -426,7 +483,9 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState, budget_end) -> Deco
         accepted=c.accepted + jnp.where(active, n, 0),
         accepted_hist=c.accepted_hist + (active[:, None] & (jnp.arange(k + 1)[None, :] == n[:, None])),
     )
-    return DecodeState(tokens, lengths, state.prompt_lengths, done, cache, drafter_state, rng, counters)
+    return dataclasses.replace(
+        state, tokens=tokens, lengths=lengths, done=done, cache=cache, drafter=drafter_state, rng=rng, counters=counters
+    )
 
 
 def _commit_counts(verified, n, lengths, budget_end, eos_ids):

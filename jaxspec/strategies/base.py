@@ -61,6 +61,7 @@ class DecodeState:
     tokens: jax.Array  # [B, S] prompt (left-aligned) + generated tokens, pad after lengths
     lengths: jax.Array  # [B]
     prompt_lengths: jax.Array  # [B]
+    budget_end: jax.Array  # [B] prompt length + max_new_tokens: a row is done when its length reaches it
     done: jax.Array  # [B] bool
     cache: KVCache
     drafter: Any  # the drafter's own state pytree
@@ -84,6 +85,7 @@ class Prefill:
 class RoundResult:
     """One verified round, per row: what was accepted and committed, and the target's view of it."""
 
+    drafted: jax.Array  # [B] valid drafts the row proposed this round
     accepted: jax.Array  # [B] drafts accepted by verification (before the budget / EOS crop)
     committed: jax.Array  # [B] tokens appended this round (0 for finished rows)
     tokens: jax.Array  # [B, K+1] the round's verified tokens (accepted drafts, then the target's token)
@@ -120,6 +122,10 @@ class Drafter:
 
     def update(self, ctx: Context, state: Any, result: RoundResult) -> Any:
         return state
+
+    def summary(self, state: Any) -> dict[str, jax.Array]:
+        """Small per-row arrays worth returning to the caller (e.g. the adapted draft length)."""
+        return {}
 
     def target_forward(self, ctx: Context, tokens, positions, cache, state):
         """The verifying forward: `(logits, hidden, cache)`. Early exit overrides it to reuse its layers."""
