@@ -244,7 +244,8 @@ def _assemble(parts: Sequence[str], target: str, expected: str) -> None:
     """
     folder = os.path.dirname(target)
     os.makedirs(folder, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile(dir=folder, prefix=f".{os.path.basename(target)}.", suffix=".tmp", delete=False)
+    prefix = f".{os.path.basename(target)}."
+    handle = tempfile.NamedTemporaryFile(dir=folder, prefix=prefix, suffix=".tmp", delete=False)
     try:
         digest = hashlib.sha256()
         with handle:

@@ -433,7 +433,7 @@ def _prefill(spec: LoopSpec, ctx: Context, tokens, prompt_lengths, max_new_token
 def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
     drafter, k = spec.drafter, spec.drafter.max_draft
     rng, draft_rng, verify_rng = jax.random.split(state.rng, 3)
-    draft, drafter_state, draft_forwards = drafter.draft(ctx, state, state.drafter, draft_rng)
+    draft, drafter_state, draft_forwards, cache = drafter.draft(ctx, state, state.drafter, draft_rng)
     count = jnp.where(state.done, 0, jnp.minimum(draft.count, k))  # [B]
 
     widths = spec.verify_widths
@@ -457,7 +457,7 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
         return run
 
     branches = [verify_at(w) for w in widths]
-    operands = (state.cache, drafter_state)
+    operands = (cache, drafter_state)
     if len(branches) == 1:
         n, verified, hidden, cache = branches[0](operands)
     else:

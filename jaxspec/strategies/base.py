@@ -3,7 +3,7 @@
 A strategy is a drafter: a frozen dataclass of static settings with pure functions over its own state pytree.
 The decode loop calls, each round:
 
-    draft(ctx, loop, state, rng) -> (Draft, state)        propose up to K tokens per row
+    draft(ctx, loop, state, rng) -> (Draft, state, forwards, target cache)   propose up to K tokens per row
     update(ctx, state, result)   -> state                 learn what was committed (roll caches back, adapt K)
 
 and `init(ctx, prefill)` once after the target has read the prompt. `Draft.probs is None` means deterministic
@@ -114,11 +114,14 @@ class Drafter:
     def init(self, ctx: Context, prefill: Prefill) -> Any:
         return ()
 
-    def draft(self, ctx: Context, loop: DecodeState, state: Any, rng: jax.Array) -> tuple[Draft, Any, jax.Array]:
-        """-> (draft, new state, number of drafter network forwards this round)."""
+    def draft(self, ctx: Context, loop: DecodeState, state: Any, rng: jax.Array):
+        """-> (draft, new state, drafter network forwards this round, target cache).
+
+        Only drafters that run the target's own layers (early exit) return a changed target cache.
+        """
         batch = loop.lengths.shape[0]
         empty = Draft(tokens=jnp.zeros((batch, self.max_draft), jnp.int32), count=jnp.zeros((batch,), jnp.int32))
-        return empty, state, jnp.zeros((), jnp.int32)
+        return empty, state, jnp.zeros((), jnp.int32), loop.cache
 
     def update(self, ctx: Context, state: Any, result: RoundResult) -> Any:
         return state

@@ -1,0 +1,258 @@
+"""Read llama.cpp GGUF checkpoints as if they were Hugging Face checkpoint folders.
+
+The rest of jaxspec converts HF names and HF layouts. Rather than a second set of conversion rules, this module
+presents a GGUF file as an HF `config.json` (a dict), HF tensor names and shapes, and float32 tensors in HF
+`[out, in]` layout, dequantized one at a time on request (a 1.5B checkpoint dequantized whole is several GB).
+Supported architectures: `llama` and `qwen2`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+import gguf
+import numpy as np
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2")
+
+_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_BLOCK_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+
+_QWEN2_BLOCK_BIASES = {
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+}
+
+_IGNORED_BLOCK_TENSORS = {
+    "attn_rot_embd.weight": "old llama.cpp files store rotary inverse frequencies; HF recomputes them from rope_theta",
+}
+
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFCheckpoint:
+    """A GGUF file seen through HF eyes: `hf_config` is what `config.json` would hold, tensors use HF names.
+
+    Tensors are not read until `read_tensor` asks for one: the GGUF reader memory-maps the file, so holding this
+    object costs only the metadata.
+    """
+
+    path: str
+    hf_config: dict[str, Any]
+    tensor_shapes: dict[str, tuple[int, ...]]
+    _reader: gguf.GGUFReader = dataclasses.field(repr=False, compare=False)
+    _gguf_tensors: dict[str, gguf.ReaderTensor] = dataclasses.field(repr=False, compare=False)
+
+    def read_tensor(self, hf_name: str) -> np.ndarray:
+        """Tensor `hf_name` as float32 in HF layout (`[out, in]` for linear weights), dequantized now."""
+        try:
+            tensor = self._gguf_tensors[hf_name]
+        except KeyError:
+            raise KeyError(f"{hf_name!r} is not a tensor of {self.path}") from None
+        weights = _dequantize(tensor, self.tensor_shapes[hf_name])
+        if self.hf_config["model_type"] == "llama":
+            weights = _unpermute_llama_qk(weights, hf_name, self.hf_config)
+        return weights
+
+    def load_tokenizer(self) -> Any:
+        """The tokenizer embedded in the GGUF metadata, built by transformers (slow for 150k-token vocabularies)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.path.dirname(self.path), gguf_file=os.path.basename(self.path))
+
+
+def read_gguf(path: str) -> GGUFCheckpoint:
+    """Open a llama or qwen2 GGUF file: parse its metadata, map every tensor to its HF name, read no weights.
+
+    Fails on anything it would otherwise convert wrongly: an unsupported architecture, a tensor no rule maps,
+    a feature (rope scaling, partial rotary) the HF config built here cannot express.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    reader = gguf.GGUFReader(path)
+    arch = _metadata(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    _reject_rope_scaling(reader, arch, path)
+    n_layers = int(_metadata(reader, f"{arch}.block_count"))
+    tensors = {}
+    for tensor in reader.tensors:
+        hf_name = hf_tensor_name(tensor.name, arch, n_layers)
+        if hf_name is not None:
+            tensors[hf_name] = tensor
+    shapes = {name: _hf_shape(tensor) for name, tensor in tensors.items()}
+    _check_complete(shapes, arch, n_layers, path)
+    config = hf_config_from_metadata(reader, arch, shapes)
+    return GGUFCheckpoint(path=path, hf_config=config, tensor_shapes=shapes, _reader=reader, _gguf_tensors=tensors)
+
+
+def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
+    """HF name of a llama.cpp tensor; None for a tensor deliberately ignored; an error for anything else."""
+    if gguf_name == "rope_freqs.weight":
+        raise NotImplementedError(
+            "this GGUF has a rope_freqs tensor (llama3 rope scaling); "
+            "llama3 rope scaling from GGUF is not supported yet"
+        )
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK_RE.fullmatch(gguf_name)
+    if match is not None and int(match.group(1)) < n_layers:
+        layer, suffix = int(match.group(1)), match.group(2)
+        block_names = _BLOCK_NAMES | (_QWEN2_BLOCK_BIASES if arch == "qwen2" else {})
+        if suffix in block_names:
+            return f"model.layers.{layer}.{block_names[suffix]}"
+        if suffix in _IGNORED_BLOCK_TENSORS:
+            return None
+    raise ValueError(f"GGUF tensor {gguf_name!r} is not used by any {arch} conversion rule")
+
+
+def hf_config_from_metadata(
+    reader: gguf.GGUFReader, arch: str, shapes: dict[str, tuple[int, ...]]
+) -> dict[str, Any]:
+    """The `config.json` transformers 5 would write for this model, from GGUF metadata and tensor shapes.
+
+    The vocabulary size comes from the embedding (the metadata may omit it, and the tensor is what must fit);
+    head_dim from `attention.key_length`, else from the q projection's rows.
+    """
+    hidden = int(_metadata(reader, f"{arch}.embedding_length"))
+    n_heads = int(_metadata(reader, f"{arch}.attention.head_count"))
+    head_dim = _head_dim(reader, arch, shapes, n_heads)
+    config: dict[str, Any] = {
+        "architectures": [_HF_CLASS[arch]],
+        "model_type": arch,
+        "vocab_size": shapes["model.embed_tokens.weight"][0],
+        "hidden_size": hidden,
+        "intermediate_size": int(_metadata(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_metadata(reader, f"{arch}.block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(_metadata(reader, f"{arch}.attention.head_count_kv", n_heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _decimal(_metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(_metadata(reader, f"{arch}.context_length")),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": _decimal(_metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
+        },
+        "tie_word_embeddings": "lm_head.weight" not in shapes,
+        "bos_token_id": _optional_int(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _optional_int(reader, "tokenizer.ggml.eos_token_id"),
+        "attention_dropout": 0.0,
+    }
+    pad = _optional_int(reader, "tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        config["pad_token_id"] = pad
+    if arch == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    else:
+        config.update(use_sliding_window=False, sliding_window=None)
+    return config
+
+
+def _metadata(reader: gguf.GGUFReader, key: str, default: Any = dataclasses.MISSING) -> Any:
+    """One scalar metadata value; a missing required key is an error that names it."""
+    field = reader.get_field(key)
+    if field is None:
+        if default is dataclasses.MISSING:
+            raise ValueError(f"GGUF metadata key {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def _optional_int(reader: gguf.GGUFReader, key: str) -> int | None:
+    """An optional integer metadata value (token ids)."""
+    value = _metadata(reader, key, None)
+    return None if value is None else int(value)
+
+
+def _decimal(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not 9.999999747378752e-06).
+
+    GGUF stores eps and rope theta as float32; the HF config held the decimal that was rounded, and matching it
+    keeps configs comparable with the original `config.json`.
+    """
+    return float(str(np.float32(value)))
+
+
+def _head_dim(reader: gguf.GGUFReader, arch: str, shapes: dict[str, tuple[int, ...]], n_heads: int) -> int:
+    """Per-head width, checked against the q projection and against the rotary width."""
+    q_rows = shapes["model.layers.0.self_attn.q_proj.weight"][0]
+    head_dim = int(_metadata(reader, f"{arch}.attention.key_length", q_rows // n_heads))
+    if head_dim * n_heads != q_rows:
+        raise ValueError(f"GGUF head_dim {head_dim} x {n_heads} heads does not match the q projection's {q_rows} rows")
+    rotary = _metadata(reader, f"{arch}.rope.dimension_count", head_dim)
+    if int(rotary) != head_dim:
+        raise NotImplementedError(f"partial rotary embeddings ({rotary} of {head_dim} dims) are not supported")
+    return head_dim
+
+
+def _reject_rope_scaling(reader: gguf.GGUFReader, arch: str, path: str) -> None:
+    """The HF config built here uses default rope; a file asking for scaling would silently diverge."""
+    scaling = _metadata(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise NotImplementedError(f"{path}: rope scaling {scaling!r} from GGUF is not supported yet")
+
+
+def _check_complete(shapes: dict[str, tuple[int, ...]], arch: str, n_layers: int, path: str) -> None:
+    """Every tensor the HF model needs must be present; a truncated file should fail here, not mid-conversion."""
+    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    block_names = list(_BLOCK_NAMES.values()) + (list(_QWEN2_BLOCK_BIASES.values()) if arch == "qwen2" else [])
+    required += [f"model.layers.{i}.{name}" for i in range(n_layers) for name in block_names]
+    missing = [name for name in required if name not in shapes]
+    if missing:
+        raise ValueError(f"{path}: GGUF lacks tensors for {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+
+def _hf_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
+    """GGUF lists dimensions fastest-first; HF (and numpy) list them slowest-first."""
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def _dequantize(tensor: gguf.ReaderTensor, shape: tuple[int, ...]) -> np.ndarray:
+    """Float32 copy of one tensor, owning its memory (an F32 tensor would otherwise be a view of the memmap)."""
+    weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    if np.may_share_memory(weights, tensor.data) or weights.dtype != np.float32:
+        weights = np.array(weights, dtype=np.float32)
+    return weights
+
+
+def _unpermute_llama_qk(weights: np.ndarray, hf_name: str, config: dict[str, Any]) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation.
+
+    llama.cpp's converter reorders each head's rows from HF's rotate-half layout (first half, second half) to
+    interleaved pairs, because its rope rotates adjacent pairs. Per head, GGUF row 2j+t holds HF row t*half+j.
+    """
+    if hf_name.endswith("self_attn.q_proj.weight"):
+        n_heads = config["num_attention_heads"]
+    elif hf_name.endswith("self_attn.k_proj.weight"):
+        n_heads = config["num_key_value_heads"]
+    else:
+        return weights
+    rows = weights.shape[0]
+    return np.ascontiguousarray(
+        weights.reshape(n_heads, rows // n_heads // 2, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+    )

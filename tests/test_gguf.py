@@ -1,0 +1,313 @@
+"""`read_gguf` against tiny random HF models written to GGUF the way llama.cpp's converter writes them.
+
+Two oracles: the HF tensors the file was written from (so the q/k un-permutation must invert llama.cpp's
+permutation), and transformers' own GGUF loader reading the same file (so the direction matches the reference).
+"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxspec.convert.gguf import GGUFCheckpoint, read_gguf
+
+N_HEADS, N_KV_HEADS, HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 4, 2, 32, 64, 2, 64
+
+_BLOCK = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def tiny_config(arch: str, tied: bool) -> transformers.PretrainedConfig:
+    """A GQA config small enough to build in milliseconds; Q8_0 needs rows that are multiples of 32."""
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=N_HEADS,
+        num_key_value_heads=N_KV_HEADS,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    return transformers.Qwen2Config(**common)
+
+
+def tiny_model(arch: str, tied: bool) -> transformers.PreTrainedModel:
+    """Random weights, norms included (they initialise to ones, which would hide a norm mix-up)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, tied), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.copy_(torch.randn_like(param))
+    return model.eval()
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's `LlamaModel.permute`: HF rotate-half rows to interleaved pairs."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp tensor name of an HF parameter."""
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_BLOCK[module]}.{kind}"
+
+
+def hf_state(model: transformers.PreTrainedModel) -> dict[str, np.ndarray]:
+    """The tensors an HF checkpoint folder would hold (a tied head is not saved)."""
+    state = {name: t.detach().numpy().copy() for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def add_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """A minimal byte-level BPE vocabulary, enough for transformers to build a tokenizer from the file."""
+    tokens = ["<unk>", "<s>", "</s>"] + [chr(c) for c in range(ord("a"), ord("a") + 26)]
+    tokens += ["ab", "cd"] + [f"t{i}" for i in range(VOCAB - len(tokens) - 2)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_merges(["a b", "c d"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+
+
+def write_gguf(
+    model: transformers.PreTrainedModel,
+    path: str,
+    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    arch: str | None = None,
+) -> dict[str, np.ndarray]:
+    """Write `model` as llama.cpp would; return what a reader should get back for each HF name.
+
+    2-D weights are stored as `qtype` (1-D norms and biases stay F32, as llama.cpp keeps them), so the expected
+    values are the HF tensors passed through quantize/dequantize.
+    """
+    config = model.config
+    arch = arch or config.model_type
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_vocab_size(config.vocab_size)
+    add_tokenizer(writer)
+    expected = {}
+    for hf_name, w in hf_state(model).items():
+        stored = w
+        if config.model_type == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
+            stored = llama_cpp_permute(w, heads)
+        if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            data = gguf.quants.quantize(stored, qtype)
+            writer.add_tensor(gguf_name(hf_name), data, raw_shape=data.shape, raw_dtype=qtype)
+            expected[hf_name] = _dequantized_in_hf_order(data, qtype, w.shape, hf_name, config)
+        else:
+            writer.add_tensor(gguf_name(hf_name), np.ascontiguousarray(stored, dtype=np.float32))
+            expected[hf_name] = w
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def _dequantized_in_hf_order(data, qtype, shape, hf_name, config) -> np.ndarray:
+    """Quantization is per row, so the expected tensor is the stored rows dequantized, then un-permuted."""
+    rows = gguf.quants.dequantize(data, qtype).reshape(shape)
+    if config.model_type != "llama" or not hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        return rows
+    heads = config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
+    return rows.reshape(heads, shape[0] // heads // 2, 2, shape[1]).swapaxes(1, 2).reshape(shape)
+
+
+def transformers_state(path: str) -> dict[str, np.ndarray]:
+    """What transformers' own GGUF loader makes of the file: the reference for names and permutation."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return {name: t.detach().numpy() for name, t in model.state_dict().items()}
+
+
+def assert_same_tensors(ckpt: GGUFCheckpoint, expected: dict[str, np.ndarray]) -> None:
+    """Same names, shapes, dtype and values; float32 storage must round-trip exactly."""
+    assert set(ckpt.tensor_shapes) == set(expected)
+    for name, want in expected.items():
+        got = ckpt.read_tensor(name)
+        assert got.dtype == np.float32, name
+        assert got.shape == ckpt.tensor_shapes[name] == want.shape, name
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", True), ("llama", False), ("qwen2", False), ("qwen2", True)])
+def test_f32_round_trip_and_config(tmp_path, arch, tied):
+    model = tiny_model(arch, tied)
+    path = str(tmp_path / f"{arch}.gguf")
+    expected = write_gguf(model, path)
+    ckpt = read_gguf(path)
+    assert_same_tensors(ckpt, expected)
+    assert ("lm_head.weight" in ckpt.tensor_shapes) == (not tied)
+    cfg = ckpt.hf_config
+    want = {
+        "model_type": arch,
+        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": N_HEADS,
+        "num_key_value_heads": N_KV_HEADS,
+        "head_dim": HIDDEN // N_HEADS,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": tied,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    assert {key: cfg.get(key) for key in want} == want
+    if arch == "qwen2":
+        assert cfg["use_sliding_window"] is False
+        assert "model.layers.1.self_attn.k_proj.bias" in ckpt.tensor_shapes
+
+
+def test_config_rebuilds_the_same_hf_model(tmp_path):
+    """The config dict is a valid `config.json`: transformers builds a model with the same parameter shapes."""
+    model = tiny_model("qwen2", tied=False)
+    path = str(tmp_path / "m.gguf")
+    write_gguf(model, path)
+    ckpt = read_gguf(path)
+    rebuilt = transformers.AutoConfig.for_model(**ckpt.hf_config)
+    shapes = {n: tuple(t.shape) for n, t in transformers.AutoModelForCausalLM.from_config(rebuilt).state_dict().items()}
+    assert shapes == ckpt.tensor_shapes
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
+def test_q8_0_dequantizes_like_gguf(tmp_path, arch, tied):
+    model = tiny_model(arch, tied)
+    path = str(tmp_path / "q8.gguf")
+    expected = write_gguf(model, path, gguf.GGMLQuantizationType.Q8_0)
+    ckpt = read_gguf(path)
+    assert_same_tensors(ckpt, expected)
+    for name, want in hf_state(model).items():
+        np.testing.assert_allclose(ckpt.read_tensor(name), want, atol=0.02, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "arch,tied,qtype",
+    [
+        ("llama", False, gguf.GGMLQuantizationType.F32),
+        ("llama", True, gguf.GGMLQuantizationType.Q8_0),
+        ("qwen2", False, gguf.GGMLQuantizationType.F32),
+    ],
+)
+def test_matches_transformers_gguf_loader(tmp_path, arch, tied, qtype):
+    """The oracle for the permutation direction: transformers un-permutes llama q/k itself."""
+    path = str(tmp_path / "m.gguf")
+    write_gguf(tiny_model(arch, tied), path, qtype)
+    reference = transformers_state(path)
+    ckpt = read_gguf(path)
+    for name in ckpt.tensor_shapes:
+        np.testing.assert_array_equal(ckpt.read_tensor(name), reference[name], err_msg=name)
+
+
+def test_load_tokenizer(tmp_path):
+    path = str(tmp_path / "m.gguf")
+    write_gguf(tiny_model("llama", True), path)
+    tokenizer = read_gguf(path).load_tokenizer()
+    assert tokenizer.convert_tokens_to_ids(["<s>", "</s>", "ab"]) == [1, 2, 29]
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        read_gguf(str(tmp_path / "nope.gguf"))
+
+
+def test_unsupported_architecture(tmp_path):
+    path = str(tmp_path / "m.gguf")
+    write_gguf(tiny_model("llama", True), path, arch="gemma3")
+    with pytest.raises(ValueError, match=r"'gemma3'.*supported: llama, qwen2"):
+        read_gguf(path)
+
+
+def _with_extra_tensor(tmp_path, name: str) -> str:
+    """A valid llama file plus one tensor `name`, to exercise the unmapped-tensor rules."""
+    path = str(tmp_path / "m.gguf")
+    model = tiny_model("llama", True)
+    writer_path = str(tmp_path / "base.gguf")
+    write_gguf(model, writer_path)
+    reader = gguf.GGUFReader(writer_path)
+    writer = gguf.GGUFWriter(path, "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.add_tensor(name, np.ones(HIDDEN // N_HEADS // 2, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_unmapped_tensor_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q_norm\.weight"):
+        read_gguf(_with_extra_tensor(tmp_path, "blk.0.attn_q_norm.weight"))
+
+
+def test_llama3_rope_scaling_is_not_silently_ignored(tmp_path):
+    with pytest.raises(NotImplementedError, match="llama3 rope scaling"):
+        read_gguf(_with_extra_tensor(tmp_path, "rope_freqs.weight"))
+
+
+def test_rotary_buffer_is_ignored(tmp_path):
+    ckpt = read_gguf(_with_extra_tensor(tmp_path, "blk.1.attn_rot_embd.weight"))
+    assert not any("rot" in name for name in ckpt.tensor_shapes)
+
+
+def test_unknown_tensor_name_raises_key_error(tmp_path):
+    path = str(tmp_path / "m.gguf")
+    write_gguf(tiny_model("llama", True), path)
+    with pytest.raises(KeyError, match="lm_head"):
+        read_gguf(path).read_tensor("lm_head.weight")
