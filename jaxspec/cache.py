@@ -40,3 +40,32 @@ def init_kv_cache(
         k=jnp.zeros((num_layers, batch, size, kv_heads, head_dim), dtype),
         v=jnp.zeros((num_layers, batch, size, kv_heads, v_head_dim or head_dim), dtype),
     )
+
+
+# Multi-head latent attention (DeepSeek-V2/V3) caches what its keys and values are computed from, not the keys and
+# values: one latent shared by every head, and one rope key shared by every head. Neither splits with the heads, so
+# their feature axes are replicated (`head_dim` maps to no mesh axis).
+MLA_CACHE_AXES = ("layers", "batch", "seq", "head_dim")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MLACache:
+    latent: jax.Array  # [L, B, S, R] normed compressed key/value latent (kv_lora_rank)
+    k_rope: jax.Array  # [L, B, S, Dr] rotated rope key (qk_rope_head_dim)
+
+    @property
+    def size(self) -> int:
+        return self.latent.shape[2]
+
+    @staticmethod
+    def logical_axes() -> "MLACache":
+        return MLACache(latent=MLA_CACHE_AXES, k_rope=MLA_CACHE_AXES)  # type: ignore[arg-type]
+
+
+def init_mla_cache(num_layers: int, batch: int, size: int, latent_dim: int, rope_dim: int, dtype: jnp.dtype) -> MLACache:
+    """Zero-filled latent cache for `size` positions per row."""
+    return MLACache(
+        latent=jnp.zeros((num_layers, batch, size, latent_dim), dtype),
+        k_rope=jnp.zeros((num_layers, batch, size, rope_dim), dtype),
+    )

@@ -53,6 +53,12 @@ def load(path: str, dtype: Any = None, progress: bool = False) -> Model:
     """
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
     path = os.fspath(path)
+    from . import catalog
+
+    if catalog.is_catalog_name(path):
+        path = catalog.resolve(path)
+    elif not os.path.exists(path) and _looks_like_hub_id(path):
+        path = _download_from_hub(path)
     if path.endswith(".gguf"):
         return _load_gguf(path, dtype, progress)
     if not os.path.isdir(path):
@@ -77,6 +83,25 @@ def load(path: str, dtype: Any = None, progress: bool = False) -> Model:
         generation_config=_read_json(os.path.join(path, "generation_config.json")),
         source=path,
     )
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+
+
+def _download_from_hub(repo_id: str) -> str:
+    """A Hugging Face hub id: fetch its config, tokenizer and safetensors where a network exists."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"])
+    except Exception as error:  # the hub client raises many types for "no network"; all mean the same here
+        raise FileNotFoundError(
+            f"{repo_id!r} is not a local path or a catalogue name, and downloading it from the Hugging Face hub "
+            f"failed ({type(error).__name__}: {error}). Offline, pass a local folder, a .gguf file, or one of the "
+            "catalogue names in jaxspec.catalog.CATALOG."
+        ) from error
 
 
 def build_module(model_cls, cfg, dtype, params: dict[str, np.ndarray]) -> nnx.Module:

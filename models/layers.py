@@ -97,3 +97,67 @@ def cached_attention(
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """SwiGLU MLP: down(silu(x @ gate) * (x @ up)). x: [..., D], w_gate/w_up: [D, F], w_down: [F, D]."""
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# YaRN rope scaling and attention over a window of a position-indexed cache (DeepSeek-V3, GLM-4.5, their MTP layers)
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction `0.1 * mscale * ln(scale) + 1` (1 when not extending), HF `get_mscale`."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(
+    rotary_dim: int,
+    theta: float,
+    factor: float,
+    original_max_position_embeddings: int,
+    beta_fast: float,
+    beta_slow: float,
+    truncate: bool,
+) -> jax.Array:
+    """YaRN frequencies (HF `_compute_yarn_parameters`): high frequencies (many rotations within the original
+    context) are kept, low ones divided by `factor`, with a linear ramp between the two correction dims.
+    [rotary_dim // 2]"""
+
+    def correction_dim(num_rotations):
+        return rotary_dim * math.log(original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (
+            2 * math.log(theta)
+        )
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = jnp.clip((jnp.arange(rotary_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # 1 where the original frequency is kept
+    pos_freqs = theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def causal_window(positions: jax.Array, size: int, first: int | jax.Array = 0) -> jax.Array:
+    """Keys each query sees in a position-indexed cache of `size` entries: `first <= key <= query position`.
+    [B, T, S]. `first` > 0 hides entries that are never written: an MTP depth k has no entry below position k+1."""
+    key_index = jnp.arange(size)
+    return (key_index >= first) & (key_index[None, None, :] <= positions[:, :, None])
+
+
+def cached_attention_window(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, scale: float, first: int | jax.Array
+) -> jax.Array:
+    """`cached_attention` over keys in [first, query position] only (see `causal_window`).
+
+    q: [B, T, H, Dh]; k_cache: [B, S, K, Dh]; v_cache: [B, S, K, Dv]; positions: [B, T]. Returns [B, T, H, Dv].
+    """
+    b, t, h, dh = q.shape
+    kv_heads = k_cache.shape[2]
+    q = q.reshape(b, t, kv_heads, h // kv_heads, dh)  # [B, T, K, G, Dh]
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32) * scale
+    visible = causal_window(positions, k_cache.shape[1], first)  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v_cache)
+    return out.reshape(b, t, h, v_cache.shape[-1])
