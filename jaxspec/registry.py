@@ -29,6 +29,10 @@ _LLAMA = Family("jaxspec.models.llama", "LlamaConfig", "LlamaForCausalLM", "jaxs
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
     "qwen2": _LLAMA,
+    "deepseek_v3": Family(
+        "jaxspec.models.deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM", "jaxspec.convert.deepseek_v3"
+    ),
+    "glm4_moe": Family("jaxspec.models.glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLM", "jaxspec.convert.glm4_moe"),
 }
 
 

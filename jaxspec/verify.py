@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .sampling import SamplingParams, process_logits, sample, sample_from_probs
+from .sampling import SamplingParams, process_logits, sample_from_probs, select
 
 
 def leading_true(mask: jax.Array) -> jax.Array:
@@ -32,6 +32,8 @@ def verify(
 ) -> tuple[jax.Array, jax.Array]:
     """-> (n_accepted [B], tokens [B, W])."""
     width = target_logits.shape[1]
+    if width == 1:  # no drafts in this round: a plain decoding step
+        return jnp.zeros(count.shape, jnp.int32), select(rng, target_logits, params)
     is_draft = jnp.arange(width - 1)[None, :] < count[:, None]  # [B, W-1]
     if not params.do_sample:
         return _verify_greedy(target_logits, drafts, is_draft, draft_probs, ensemble_weight)

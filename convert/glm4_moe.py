@@ -1,0 +1,43 @@
+"""HF `Glm4MoeForCausalLM` (GLM-4.5, GLM-4.5-Air) tensor names -> jaxspec.models.glm4_moe parameters.
+
+Everything but attention (dense/MoE layer groups, per-expert tensors, MTP layers at `model.layers.{N + k}`) follows
+the DeepSeek-V3 MoE family's rules in convert/deepseek_v3.py.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from jaxspec.models.glm4_moe import Glm4MoeConfig, param_shapes
+
+from .deepseek_v3 import convert_moe_family, moe_family_ignores, moe_family_rules
+from .rules import TensorSource
+
+
+def attention_rules(cfg: Glm4MoeConfig) -> list[tuple[str, str, Callable]]:
+    d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def heads_in(n):  # HF [n*Dh, D] -> [D, n, Dh]
+        return lambda w: w.T.reshape(d, n, dh)
+
+    def heads_bias(n):  # HF [n*Dh] -> [n, Dh]
+        return lambda b: b.reshape(n, dh)
+
+    return [
+        (r"self_attn\.q_proj\.weight", "wq", heads_in(h)),
+        (r"self_attn\.k_proj\.weight", "wk", heads_in(k)),
+        (r"self_attn\.v_proj\.weight", "wv", heads_in(k)),
+        (r"self_attn\.q_proj\.bias", "bq", heads_bias(h)),
+        (r"self_attn\.k_proj\.bias", "bk", heads_bias(k)),
+        (r"self_attn\.v_proj\.bias", "bv", heads_bias(k)),
+        (r"self_attn\.q_norm\.weight", "q_norm", None),
+        (r"self_attn\.k_norm\.weight", "k_norm", None),
+        (r"self_attn\.o_proj\.weight", "wo", lambda w: w.T.reshape(h, dh, d)),
+    ]
+
+
+def convert_checkpoint(cfg: Glm4MoeConfig, source: TensorSource, dtype, progress=None) -> dict[str, np.ndarray]:
+    rules = moe_family_rules(cfg, attention_rules(cfg))
+    return convert_moe_family(cfg, source, rules, moe_family_ignores(cfg), param_shapes(cfg), dtype, progress)

@@ -1,0 +1,489 @@
+"""DeepSeek-V3 and GLM-4.5 (glm4_moe): tiny random HF checkpoints, with MTP layers written in HF's layout
+(`model.layers.{N + k}.*`, which `save_pretrained` drops), converted with `jaxspec.load` and checked against
+transformers in float32: main logits, MTP draft logits (HF's own `MtpModel`), the routed MoE against a dense
+reference, incremental MTP caches against the from-scratch definition, sharded checkpoints, and MTP errors.
+
+Compiles dominate the run time on CPU, so each case jits its functions once and every check reuses the same shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers.modeling_layers import MtpModel
+
+import jaxspec
+from jaxspec.convert.rules import CheckpointMismatch
+from jaxspec.models import moe
+from jaxspec.models.deepseek_v3 import DeepseekV3Config
+from jaxspec.models.glm4_moe import Glm4MoeConfig
+
+B, T = 2, 14  # every forward and MTP reference runs at this shape
+CACHE = T + 2
+ATOL = 1e-4  # logits here are of magnitude 1-10
+
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    n_routed_experts=8,
+    max_position_embeddings=256,
+    initializer_range=0.3,  # large enough that logits and expert choices are decided by the weights
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+
+# name: (model_type, num_hidden_layers, MTP depth, config overrides)
+CASES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
+    # q LoRA, YaRN with DeepSeek's softmax mscale, group-limited routing, 1 dense + 2 MoE layers
+    "deepseek_mtp": (
+        "deepseek_v3",
+        3,
+        2,
+        DEEPSEEK
+        | dict(
+            q_lora_rank=24,
+            rope_parameters=YARN | {"mscale": 1.0, "mscale_all_dim": 0.8},
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=3,
+            first_k_dense_replace=1,
+            n_shared_experts=2,
+        ),
+    ),
+    # full-rank queries, non-interleaved rope, every layer MoE, unnormalised top-k weights
+    "deepseek_plain": (
+        "deepseek_v3",
+        2,
+        0,
+        DEEPSEEK
+        | dict(
+            q_lora_rank=None,
+            rope_interleave=False,
+            rope_parameters={"rope_theta": 10000.0},
+            n_group=1,
+            topk_group=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=0,
+            norm_topk_prob=False,
+        ),
+    ),
+    # GQA, q/k/v biases, qk norm, partial rotary (HF default 0.5)
+    "glm_mtp": (
+        "glm4_moe",
+        2,
+        2,
+        dict(
+            num_key_value_heads=2,
+            use_qk_norm=True,
+            attention_bias=True,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            rope_parameters={"rope_theta": 10000.0},
+        ),
+    ),
+    # no qk norm, YaRN on a partial rotary, tied embeddings, 2 dense + 1 MoE layers
+    "glm_plain": (
+        "glm4_moe",
+        3,
+        0,
+        dict(
+            num_key_value_heads=1,
+            rope_parameters=YARN | {"partial_rotary_factor": 0.5},
+            n_group=1,
+            topk_group=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=2,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+MTP_CASES = [name for name, case in CASES.items() if case[2]]
+
+HF_CLASSES = {
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+    "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building checkpoints
+
+
+def read_tensors(path: str) -> dict[str, torch.Tensor]:
+    with safe_open(path, "pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def save_checkpoint(model_type, folder, n_layers, n_mtp, overrides, seed=0) -> str:
+    """An HF folder with `n_layers` main layers and `n_mtp` MTP layers in HF's layout.
+
+    A model with n_layers + n_mtp layers supplies the MTP decoder blocks (layers >= first_k_dense_replace are MoE,
+    as MTP blocks must be); its config is then cut back to n_layers and the MTP-only tensors are added.
+    """
+    config_cls, model_cls = HF_CLASSES[model_type]
+    torch.manual_seed(seed)
+    config = config_cls(**(COMMON | overrides), num_hidden_layers=n_layers + n_mtp, num_nextn_predict_layers=0)
+    big = model_cls(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0; random values make parity check them
+        for name, p in big.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+        for name, buf in big.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.3 * torch.randn(buf.shape, generator=gen))
+    scratch = f"{folder}_hf"
+    big.save_pretrained(scratch)
+    tensors = read_tensors(os.path.join(scratch, "model.safetensors"))
+    d = COMMON["hidden_size"]
+    for k in range(n_mtp):
+        p = f"model.layers.{n_layers + k}."
+        tensors[p + "enorm.weight"] = 1.0 + 0.2 * torch.randn(d, generator=gen)
+        tensors[p + "hnorm.weight"] = 1.0 + 0.2 * torch.randn(d, generator=gen)
+        tensors[p + "eh_proj.weight"] = 0.2 * torch.randn(d, 2 * d, generator=gen)
+        tensors[p + "shared_head.norm.weight"] = 1.0 + 0.2 * torch.randn(d, generator=gen)
+        # real checkpoints carry copies of the main head and embedding here
+        head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+        tensors[p + "shared_head.head.weight"] = head.clone()
+        tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    os.makedirs(folder, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(scratch, "config.json")) as f:
+        hf_config = json.load(f)
+    hf_config |= {"num_hidden_layers": n_layers, "num_nextn_predict_layers": n_mtp}
+    write_config(folder, hf_config)
+    return folder
+
+
+def write_config(folder, hf_config):
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+
+
+def hf_reference(model_type, folder, n_layers, n_mtp, tokens) -> tuple[np.ndarray, np.ndarray | None]:
+    """HF logits [B, T, V] and, with MTP, HF's MTP draft logits [B, K, V] of the from-scratch chain (the
+    definition that exp_mtp_cache_rollback.py verified against HF's cached drafting)."""
+    model_cls = HF_CLASSES[model_type][1]
+    saved = model_cls._keys_to_ignore_on_load_unexpected
+    # HF finds MTP tensors by the real checkpoints' layer numbers (61, 46, 92); point it at this tiny model's
+    model_cls._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n_layers + k}\..*" for k in range(n_mtp)]
+    try:
+        model = model_cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+        ids = torch.as_tensor(tokens)
+        with torch.no_grad():
+            logits = model(ids).logits.numpy()
+            if not n_mtp:
+                return logits, None
+            return logits, hf_mtp_drafts(model, MtpModel.from_pretrained(model), ids, n_mtp)
+    finally:
+        model_cls._keys_to_ignore_on_load_unexpected = saved
+
+
+def hf_mtp_drafts(model, mtp, ids, n_mtp) -> np.ndarray:
+    b, t = ids.shape
+    mask = torch.full((t - 1, t - 1), float("-inf")).triu(1)[None, None]
+    hidden = model.model(ids[:, :-1]).last_hidden_state
+    window, pos = ids[:, 1:], torch.arange(1, t)[None].expand(b, -1)
+    drafts = []
+    for k in range(n_mtp):
+        layer = mtp.layers[k]
+        x = layer.eh_proj(torch.cat([layer.enorm(model.model.embed_tokens(window)), layer.hnorm(hidden)], -1))
+        rope = model.model.rotary_emb(x, pos)
+        hidden = layer.post_norm(layer.mtp_block(x, attention_mask=mask, position_ids=pos, position_embeddings=rope))
+        logits = model.lm_head(hidden[:, -1])
+        drafts.append(logits)
+        window, pos = torch.cat([window[:, 1:], logits.argmax(-1, keepdim=True)], -1), pos + 1
+    return torch.stack(drafts, 1).numpy()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One loaded case, with its functions jitted once
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    folder: str
+    n_layers: int
+    module: Any
+    tokens: np.ndarray  # [B, T]
+    hf_logits: np.ndarray
+    hf_mtp: np.ndarray | None
+
+    def __post_init__(self):
+        graphdef, state = nnx.split(self.module)
+        self._state = state
+        merge = lambda s: nnx.merge(graphdef, s)  # noqa: E731
+
+        @jax.jit
+        def forward(state, tokens, positions, cache):
+            return merge(state)(tokens, positions, cache)
+
+        @jax.jit
+        def mtp_reference(state, tokens):
+            return moe.mtp_chain_from_scratch(merge(state), tokens)
+
+        @jax.jit
+        def mtp_round(state, tokens, positions, prev_hidden, cache):
+            """All MTP depths over a window ending at the newest token: the same chain as the reference, but
+            reading everything before the window from `cache`."""
+            model = merge(state)
+            drafts = []
+            for depth in range(model.num_mtp_layers):
+                out, logits, cache = model.mtp_step(depth, tokens, prev_hidden, positions, cache)
+                drafts.append(logits[:, -1])
+                next_token = jnp.argmax(logits[:, -1], axis=-1)[:, None]
+                tokens, positions, prev_hidden = jnp.concatenate([tokens[:, 1:], next_token], 1), positions + 1, out
+            return jnp.stack(drafts, 1), cache
+
+        self._forward, self._mtp_reference, self._mtp_round = forward, mtp_reference, mtp_round
+
+    def forward(self, tokens, positions, cache):
+        return self._forward(self._state, jnp.asarray(tokens), jnp.asarray(positions), cache)
+
+    def full_forward(self, tokens):
+        """(logits, hidden) over tokens [B, T] from position 0."""
+        logits, hidden, _ = self.forward(tokens, positions_of(tokens), self.module.init_cache(B, CACHE))
+        return np.asarray(logits), np.asarray(hidden)
+
+    def mtp_reference(self, tokens):
+        return np.asarray(self._mtp_reference(self._state, jnp.asarray(tokens)))
+
+    def mtp_round(self, tokens, positions, prev_hidden, cache):
+        drafts, cache = self._mtp_round(self._state, *map(jnp.asarray, (tokens, positions, prev_hidden)), cache)
+        return np.asarray(drafts), cache
+
+
+def positions_of(tokens, start=0):
+    return np.broadcast_to(np.arange(start, start + tokens.shape[1]), tokens.shape)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    return _build_case(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=MTP_CASES)
+def mtp_case(request, tmp_path_factory):
+    return _build_case(request.param, tmp_path_factory)
+
+
+_CASES: dict[str, Case] = {}
+
+
+def _build_case(name, tmp_path_factory) -> Case:
+    """Cases are shared by the fixtures above, so each checkpoint is built and compiled once."""
+    if name not in _CASES:
+        model_type, n_layers, n_mtp, overrides = CASES[name]
+        folder = save_checkpoint(model_type, str(tmp_path_factory.mktemp(name) / "ckpt"), n_layers, n_mtp, overrides)
+        tokens = np.random.default_rng(0).integers(3, COMMON["vocab_size"], (B, T)).astype(np.int32)
+        hf_logits, hf_mtp = hf_reference(model_type, folder, n_layers, n_mtp, tokens)
+        module = jaxspec.load(folder, dtype=jnp.float32).module
+        _CASES[name] = Case(name, folder, n_layers, module, tokens, hf_logits, hf_mtp)
+    return _CASES[name]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parity with transformers
+
+
+def test_logits_match_transformers(case):
+    logits, hidden = case.full_forward(case.tokens)
+    assert np.abs(case.hf_logits).max() > 1.0  # the comparison is not between near-zero numbers
+    np.testing.assert_allclose(logits, case.hf_logits, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(case.module.logits(jnp.asarray(hidden))), logits, atol=1e-5, rtol=0)
+
+
+def test_mtp_drafts_match_transformers_mtp_model(mtp_case):
+    drafts = mtp_case.mtp_reference(mtp_case.tokens)  # [B, K, V]
+    assert drafts.shape == mtp_case.hf_mtp.shape
+    np.testing.assert_allclose(drafts, mtp_case.hf_mtp, atol=ATOL, rtol=0)
+
+
+def test_cache_chunks_match_one_forward(mtp_case):
+    """Prefill half the sequence, then feed the rest against the cache: the logits of one full forward."""
+    full, _ = mtp_case.full_forward(mtp_case.tokens)
+    half = T // 2
+    cache = mtp_case.module.init_cache(B, CACHE)
+    first, _, cache = mtp_case.forward(mtp_case.tokens[:, :half], positions_of(mtp_case.tokens[:, :half]), cache)
+    second, _, _ = mtp_case.forward(mtp_case.tokens[:, half:], positions_of(mtp_case.tokens[:, half:], half), cache)
+    np.testing.assert_allclose(np.concatenate([first, second], 1), full, atol=ATOL, rtol=0)
+
+
+def test_router_matches_transformers():
+    """Group-limited sigmoid routing with a score bias, against HF's router module on many tokens."""
+    hf_config = transformers.DeepseekV3Config(
+        **COMMON, **CASES["deepseek_mtp"][3], num_hidden_layers=1, num_nextn_predict_layers=0
+    )
+    torch.manual_seed(0)
+    router = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(hf_config)
+    with torch.no_grad():
+        router.weight.normal_(std=0.2)
+        router.e_score_correction_bias.normal_(std=0.3)
+    x = torch.randn(256, hf_config.hidden_size)
+    with torch.no_grad():
+        _, hf_weights, hf_experts = router(x)
+    cfg = DeepseekV3Config.from_hf_config(hf_config.to_dict()).moe
+    weights, experts = moe.route(jnp.asarray(x.numpy()), jnp.asarray(router.weight.numpy().T),
+                                 jnp.asarray(router.e_score_correction_bias.numpy()), cfg)
+    order, hf_order = np.argsort(experts, 1), hf_experts.argsort(1).numpy()  # both unsorted within a token
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(experts), order, 1),
+                                  np.take_along_axis(hf_experts.numpy(), hf_order, 1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, 1),
+                               np.take_along_axis(hf_weights.numpy(), hf_order, 1), atol=1e-6, rtol=0)
+
+
+def test_routed_experts_equal_dense_reference():
+    n, d, f, e, k = 40, 16, 12, 8, 3
+    keys = jax.random.split(jax.random.key(0), 6)
+    x = jax.random.normal(keys[0], (n, d))
+    w_gate, w_up = jax.random.normal(keys[1], (e, d, f)), jax.random.normal(keys[2], (e, d, f))
+    w_down = jax.random.normal(keys[3], (e, f, d))
+    cfg = moe.MoeConfig(
+        num_experts=e,
+        experts_per_token=k,
+        num_groups=4,
+        topk_groups=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        num_shared_experts=1,
+        expert_size=f,
+        first_dense_layers=0,
+    )
+    weights, experts = moe.route(x, jax.random.normal(keys[4], (d, e)), jax.random.normal(keys[5], (e,)), cfg)
+    routed = moe.routed_experts(x, weights, experts, w_gate, w_up, w_down)
+    dense = moe.dense_experts_reference(x, weights, experts, w_gate, w_up, w_down)
+    assert np.abs(np.asarray(dense)).max() > 1.0
+    np.testing.assert_allclose(np.asarray(routed), np.asarray(dense), atol=1e-4, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MTP caches
+
+
+def test_mtp_step_with_caches_equals_from_scratch(mtp_case):
+    """Draft rounds with forced partial acceptance (all, none, some): each round re-runs a fixed window of W
+    positions per depth, ending at its newest token, on top of the persistent per-depth caches. Stale entries of
+    rejected drafts sit at positions the window rewrites before any query reads them. After the last round the drafts
+    must equal the from-scratch chain over the final sequence (which both rows reach with different histories)."""
+    module, k = mtp_case.module, mtp_case.module.num_mtp_layers
+    prompt = 6
+    window = prompt - 1  # covers the prompt in round one, and >= 2K positions (every stale entry) later
+    accepted = [[2, 0, 1, 1], [0, 1, 2, 1]]
+    rng = np.random.default_rng(1)
+    sequences = [list(mtp_case.tokens[row, :prompt]) for row in range(B)]
+    cache = module.init_mtp_cache(B, CACHE)
+    rows = np.arange(B)[:, None]
+    for round_ in range(len(accepted[0]) + 1):
+        lengths = np.array([len(s) for s in sequences])
+        padded = np.zeros((B, T), np.int32)
+        for row, s in enumerate(sequences):
+            padded[row, : len(s)] = s
+        _, hidden = mtp_case.full_forward(padded)  # causal: padding after a row's length changes nothing before it
+        positions = (lengths - window)[:, None] + np.arange(window)  # [B, W], ends at the newest token
+        logits, cache = mtp_case.mtp_round(padded[rows, positions], positions, hidden[rows, positions - 1], cache)
+        if round_ == len(accepted[0]):
+            break
+        drafts = logits.argmax(-1)  # [B, K]
+        for row in range(B):
+            sequences[row] += list(drafts[row, : accepted[row][round_]]) + [int(rng.integers(3, 128))]
+    final = np.array(sequences, np.int32)
+    assert final.shape == (B, T) and k == 2
+    np.testing.assert_allclose(logits, mtp_case.mtp_reference(final), atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading: sharded checkpoints, config handling, errors
+
+
+def _params(module) -> dict[str, np.ndarray]:
+    return {name: np.asarray(v) for name, v in nnx.to_pure_dict(nnx.state(module)).items()}
+
+
+def test_sharded_checkpoint_with_mtp_in_its_own_shard(tmp_path, tmp_path_factory):
+    case = _build_case("deepseek_mtp", tmp_path_factory)
+    tensors = read_tensors(os.path.join(case.folder, "model.safetensors"))
+    is_mtp = lambda name: name.startswith(f"model.layers.{case.n_layers}.") or name.startswith(  # noqa: E731
+        f"model.layers.{case.n_layers + 1}."
+    )
+    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    for name, value in tensors.items():
+        shards["model-0000{}-of-00002.safetensors".format(2 if is_mtp(name) else 1)][name] = value
+    weight_map = {}
+    for shard, part in shards.items():
+        save_file(part, str(tmp_path / shard))
+        weight_map |= {name: shard for name in part}
+    with open(tmp_path / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(case.folder, "config.json")) as f:
+        write_config(tmp_path, json.load(f))
+    sharded = _params(jaxspec.load(str(tmp_path), dtype=jnp.float32).module)
+    single = _params(case.module)
+    assert sharded.keys() == single.keys() and any(name.startswith("mtp_") for name in sharded)
+    for name in single:
+        np.testing.assert_array_equal(sharded[name], single[name], err_msg=name)
+
+
+def test_missing_mtp_tensor_names_the_setting_and_the_tensors(tmp_path):
+    _, n_layers, n_mtp, overrides = CASES["glm_mtp"]
+    folder = save_checkpoint("glm4_moe", str(tmp_path / "ckpt"), n_layers, n_mtp, overrides)
+    tensors = read_tensors(os.path.join(folder, "model.safetensors"))
+    dropped = [f"model.layers.{n_layers}.eh_proj.weight", f"model.layers.{n_layers + 1}.mlp.experts.3.up_proj.weight"]
+    save_file({k: v for k, v in tensors.items() if k not in dropped}, os.path.join(folder, "model.safetensors"))
+    with pytest.raises(CheckpointMismatch) as error:
+        jaxspec.load(folder, dtype=jnp.float32)
+    message = str(error.value)
+    assert "num_nextn_predict_layers=2" in message
+    assert all(name in message for name in dropped)
+
+
+def test_mtp_layer_count_comes_from_config_json():
+    """An absent key means no MTP layers (HF's class default of 1 would ask for tensors that are not there);
+    `num_mtp_layers` is accepted as an alias."""
+    _, n_layers, _, overrides = CASES["glm_mtp"]
+    hf = transformers.Glm4MoeConfig(**COMMON, **overrides, num_hidden_layers=n_layers).to_dict()
+    del hf["num_nextn_predict_layers"]
+    assert Glm4MoeConfig.from_hf_config(hf).num_mtp_layers == 0
+    assert Glm4MoeConfig.from_hf_config(hf | {"num_mtp_layers": 3}).num_mtp_layers == 3
+    assert Glm4MoeConfig.from_hf_config(hf | {"num_nextn_predict_layers": 1}).num_mtp_layers == 1
+
+
+def test_mtp_on_a_model_without_mtp_layers_is_an_error(case):
+    if case.module.num_mtp_layers:
+        pytest.skip("this case has MTP layers")
+    with pytest.raises(ValueError, match="num_nextn_predict_layers=0"):
+        case.module.init_mtp_cache(B, CACHE)
+
+
+def test_unsupported_configs_raise():
+    _, n_layers, _, overrides = CASES["deepseek_mtp"]
+    hf = transformers.DeepseekV3Config(**COMMON, **overrides, num_hidden_layers=n_layers).to_dict()
+    with pytest.raises(NotImplementedError, match="quant_method='fp8'"):
+        DeepseekV3Config.from_hf_config(hf | {"quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(NotImplementedError, match="rope type 'dynamic'"):
+        DeepseekV3Config.from_hf_config(hf | {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}})
+    with pytest.raises(ValueError, match="n_group=3"):
+        DeepseekV3Config.from_hf_config(hf | {"n_group": 3})
