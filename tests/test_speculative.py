@@ -83,7 +83,7 @@ def test_identical_assistant_accepts_every_draft(target, k):
 
 def test_always_wrong_assistant_accepts_nothing(tiny_llama_dir, target, plain):
     wrong = jaxspec.load(tiny_llama_dir)
-    wrong.module.lm_head.value = -wrong.module.lm_head.value  # drafts the target's least likely token
+    wrong.module.lm_head[...] = -wrong.module.lm_head[...]  # drafts the target's least likely token
     ids, mask = left_padded(PROMPTS)
     out = jaxspec.generate(target, ids, mask, max_new_tokens=N, assistant_model=wrong, num_assistant_tokens=4,
                            assistant_confidence_threshold=0.0)

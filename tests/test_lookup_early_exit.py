@@ -1,0 +1,133 @@
+"""Prompt lookup and early exit: the same match as HF, greedy invariance, exact sampling, shared-cache exit."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+import jaxspec
+from jaxspec.strategies.prompt_lookup import find_continuation
+from tests import hf_models
+from tests.test_generate import left_padded
+
+REPETITIVE = [[5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6], [3, 4, 5, 3, 4], [20, 21, 22, 23, 24, 20, 21]]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    return jaxspec.load(tiny_llama_dir)
+
+
+def jax_candidates(sequence, k, ngram, eos=None):
+    tokens = jnp.asarray(sequence + [0] * 8, jnp.int32)
+    start, found = find_continuation(tokens, jnp.int32(len(sequence)), ngram)
+    if not bool(found):
+        return []
+    out = sequence[int(start): int(start) + k]
+    if eos is not None and eos in out:
+        out = out[: out.index(eos)]
+    return out
+
+
+def hf_candidates(sequence, k, ngram, eos=None):
+    generator = PromptLookupCandidateGenerator(
+        eos_token_id=torch.tensor([eos]) if eos is not None else None, num_output_tokens=k,
+        max_matching_ngram_size=ngram, max_length=100)
+    ids = torch.tensor([sequence])
+    out, _ = generator.get_candidates(ids)
+    return out[0, len(sequence):].tolist()
+
+
+@pytest.mark.parametrize("sequence, k, ngram, eos", [
+    ([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], 3, 2, None),  # leftmost match wins
+    ([7, 2, 9, 8, 1, 2, 6, 5, 8, 1, 2], 3, 3, None),  # a larger n-gram wins
+    ([1, 2, 3, 1, 2], 10, 2, None),  # truncated at the end of the sequence
+    ([4, 1, 2, 3, 9, 5, 1, 2], 4, 2, 9),  # never proposes the EOS
+    ([4, 1, 2, 9, 3, 5, 1, 2], 4, 2, 9),  # continuation starting with EOS: nothing, no fallback
+    ([5, 6, 7, 8], 3, 2, None),  # no match
+    ([3, 3, 3, 3], 2, 2, None),  # overlapping matches
+    ([8, 1, 8, 2, 8], 2, 1, None),  # unigram
+])
+def test_prompt_lookup_picks_the_same_match_as_transformers(sequence, k, ngram, eos):
+    assert jax_candidates(sequence, k, ngram, eos) == hf_candidates(sequence, k, ngram, eos)
+
+
+def test_prompt_lookup_random_sequences_match_transformers():
+    rng = np.random.RandomState(0)
+    for _ in range(200):
+        sequence = rng.randint(0, 4, rng.randint(2, 14)).tolist()
+        k, ngram = int(rng.randint(1, 5)), int(rng.randint(1, 4))
+        assert jax_candidates(sequence, k, ngram) == hf_candidates(sequence, k, ngram), (sequence, k, ngram)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(prompt_lookup_num_tokens=3),
+    dict(prompt_lookup_num_tokens=6, max_matching_ngram_size=3),
+    dict(assistant_early_exit=2, num_assistant_tokens=4, assistant_confidence_threshold=0.0),
+    dict(assistant_early_exit=1),
+    dict(assistant_early_exit=3, num_assistant_tokens=3, num_assistant_tokens_schedule="heuristic",
+         assistant_confidence_threshold=0.0),
+])
+def test_greedy_equals_plain_greedy_and_transformers(tiny_llama_dir, target, kwargs):
+    ids, mask = left_padded(REPETITIVE)
+    plain = jaxspec.generate(target, ids, mask, max_new_tokens=N)
+    out = jaxspec.generate(target, ids, mask, max_new_tokens=N, **kwargs)
+    np.testing.assert_array_equal(out.sequences, plain.sequences)
+    assert out.drafted.sum() > 0
+    hf = hf_models.load_hf(tiny_llama_dir)
+    hf_kwargs = dict(kwargs)
+    for name in ("num_assistant_tokens", "assistant_confidence_threshold", "num_assistant_tokens_schedule"):
+        if name in hf_kwargs:  # HF reads these from the model's generation_config only
+            setattr(hf.generation_config, name, hf_kwargs.pop(name))
+    row = REPETITIVE[0]
+    expected = hf.generate(torch.tensor([row]), max_new_tokens=N, do_sample=False, **hf_kwargs).numpy()
+    single = jaxspec.generate(target, [row], max_new_tokens=N, **kwargs)
+    np.testing.assert_array_equal(single.sequences[:, : expected.shape[1]], expected)
+
+
+def test_early_exit_over_a_zeroed_last_layer_accepts_everything(tiny_llama_dir):
+    model = jaxspec.load(tiny_llama_dir)
+    last = model.config.num_layers - 1
+    for name in ("wo", "w_down"):  # the last layer adds nothing to the residual stream
+        param = getattr(model.module, name)
+        param[...] = param[...].at[last].set(0.0)
+    out = jaxspec.generate(model, REPETITIVE, max_new_tokens=N, assistant_early_exit=last, num_assistant_tokens=4,
+                           assistant_confidence_threshold=0.0, eos_token_id=[])
+    assert (out.accepted == out.drafted).all() and out.drafted.sum() > 0
+    plain = jaxspec.generate(model, REPETITIVE, max_new_tokens=N, eos_token_id=[])
+    np.testing.assert_array_equal(out.sequences, plain.sequences)
+
+
+@pytest.mark.parametrize("kwargs", [dict(prompt_lookup_num_tokens=3),
+                                    dict(assistant_early_exit=2, num_assistant_tokens=2,
+                                         assistant_confidence_threshold=0.0)])
+def test_sampling_first_tokens_follow_plain_sampling(target, kwargs):
+    from scipy import stats
+
+    rows = 3000
+    prompts = [[5, 6, 7, 5, 6]] * rows  # "5 6" repeats, so prompt lookup drafts "7 ..."
+    common = dict(max_new_tokens=3, do_sample=True, temperature=1.5, eos_token_id=[])
+    plain = jaxspec.generate(target, prompts, seed=1, **common).sequences[:, 5:7]
+    assisted = jaxspec.generate(target, prompts, seed=2, **common, **kwargs)
+    assert assisted.drafted.sum() > 0
+    pairs = [p[:, 0] * 128 + p[:, 1] for p in (plain, assisted.sequences[:, 5:7])]
+    cells, counts = np.unique(np.concatenate(pairs), return_counts=True)
+    kept = cells[counts >= 20]
+    table = np.array([[np.sum(p == c) for c in kept] + [np.sum(~np.isin(p, kept))] for p in pairs])
+    assert stats.chi2_contingency(table[:, table.sum(0) > 0]).pvalue > 0.001
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(prompt_lookup_num_tokens=0), ValueError, "prompt_lookup_num_tokens must be an integer >= 1"),
+    (dict(prompt_lookup_num_tokens=3, assistant_ensemble_weight=0.5), ValueError, "prompt lookup has none"),
+    (dict(assistant_early_exit=0), ValueError, r"assistant_early_exit must be a layer count in 1\.\.3"),
+    (dict(assistant_early_exit=4), ValueError, r"1\.\.3"),
+    (dict(assistant_early_exit=2, prompt_lookup_num_tokens=2), ValueError, "Choose one"),
+])
+def test_bad_settings(target, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        jaxspec.generate(target, [[5, 6]], max_new_tokens=4, **kwargs)
