@@ -1,0 +1,134 @@
+"""Generate text with jaxspec from the command line.
+
+    python scripts/generate.py --prompt "Write a haiku about JAX" --max-new-tokens 64
+    python scripts/generate.py --model qwen2.5-coder-1.5b --strategy speculative --assistant qwen2.5-coder-0.5b
+    python scripts/generate.py --model PATH --strategy prompt_lookup --prompt-lookup-num-tokens 10 --json
+
+--model takes an HF checkpoint folder, a .gguf file, or a catalogue name (offline default: smollm2-135m).
+Compiled loops are kept in JAX's persistent compilation cache ($JAXSPEC_COMPILATION_CACHE, default
+~/.cache/jaxspec/xla; "off" disables it), so a second run does not pay compile time again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+DEFAULT_MODEL = "smollm2-135m"
+STRATEGY_CHOICES = ("greedy", "sample", "speculative", "prompt_lookup", "early_exit")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="HF folder, .gguf file or catalogue name")
+    p.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--strategy", choices=STRATEGY_CHOICES, default="greedy")
+    p.add_argument("--do-sample", action="store_true", help="sample (implied by --strategy sample)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--json", action="store_true", help="print ids, text and counters as one JSON object")
+    p.add_argument("--dtype", default=None, help="parameter dtype (default: float32 on CPU, bfloat16 elsewhere)")
+    p.add_argument("--assistant", default=None, help="assistant model for --strategy speculative")
+    p.add_argument("--num-assistant-tokens", type=int, default=None)
+    p.add_argument("--num-assistant-tokens-schedule", default=None,
+                   choices=("constant", "heuristic", "heuristic_transient"))
+    p.add_argument("--assistant-confidence-threshold", type=float, default=None)
+    p.add_argument("--assistant-ensemble-weight", type=float, default=None)
+    p.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
+    p.add_argument("--max-matching-ngram-size", type=int, default=None)
+    p.add_argument("--exit-layer", type=int, default=None, help="E for --strategy early_exit")
+    p.add_argument("--compare-plain", action="store_true",
+                   help="also run plain greedy/sampling and print the speedup of the chosen strategy")
+    args = p.parse_args(argv)
+    if args.strategy == "speculative" and args.assistant is None:
+        p.error("--strategy speculative needs --assistant PATH")
+    if args.strategy == "early_exit" and args.exit_layer is None:
+        p.error("--strategy early_exit needs --exit-layer E")
+    if args.assistant is not None and args.strategy != "speculative":
+        p.error("--assistant is only used with --strategy speculative")
+    return args
+
+
+def enable_compilation_cache() -> None:
+    import jax
+
+    folder = os.environ.get("JAXSPEC_COMPILATION_CACHE", os.path.expanduser("~/.cache/jaxspec/xla"))
+    if folder != "off":
+        jax.config.update("jax_compilation_cache_dir", folder)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def strategy_kwargs(args) -> dict:
+    if args.strategy == "speculative":
+        return dict(num_assistant_tokens=args.num_assistant_tokens,
+                    num_assistant_tokens_schedule=args.num_assistant_tokens_schedule,
+                    assistant_confidence_threshold=args.assistant_confidence_threshold,
+                    assistant_ensemble_weight=args.assistant_ensemble_weight)
+    if args.strategy == "prompt_lookup":
+        return dict(prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+                    max_matching_ngram_size=args.max_matching_ngram_size)
+    if args.strategy == "early_exit":
+        return dict(assistant_early_exit=args.exit_layer, num_assistant_tokens=args.num_assistant_tokens,
+                    num_assistant_tokens_schedule=args.num_assistant_tokens_schedule,
+                    assistant_confidence_threshold=args.assistant_confidence_threshold,
+                    assistant_ensemble_weight=args.assistant_ensemble_weight)
+    return {}
+
+
+def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    return tokenizer(prompt)["input_ids"]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    enable_compilation_cache()
+    import jaxspec
+
+    start = time.perf_counter()
+    model = jaxspec.load(args.model, dtype=args.dtype, progress=not args.json)
+    assistant = jaxspec.load(args.assistant, dtype=args.dtype) if args.assistant else None
+    load_seconds = time.perf_counter() - start
+    if model.tokenizer is None:
+        print(f"{args.model} has no tokenizer; jaxspec needs one to read --prompt.", file=sys.stderr)
+        return 2
+    ids = encode(model.tokenizer, args.prompt, args.chat)
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample or args.strategy == "sample",
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    out = jaxspec.generate(model, [ids], assistant_model=assistant, **common, **strategy_kwargs(args))
+    new_ids = out.sequences[0, len(ids): len(ids) + int(out.num_new_tokens[0])].tolist()
+    text = model.tokenizer.decode(new_ids, skip_special_tokens=True)
+    report = out.counters() | {"load_seconds": load_seconds}
+    if args.compare_plain and args.strategy not in ("greedy", "sample"):
+        plain = jaxspec.generate(model, [ids], **common)
+        report["plain_tokens_per_second"] = plain.tokens_per_second
+        report["speedup_over_plain"] = out.tokens_per_second / plain.tokens_per_second
+        report["same_tokens_as_plain"] = bool((plain.sequences == out.sequences).all())
+    if args.json:
+        print(json.dumps({"model": args.model, "prompt_ids": ids, "new_ids": new_ids, "text": text} | report))
+        return 0
+    print(text)
+    print()
+    print(f"[{out.strategy}] {int(out.num_new_tokens[0])} tokens in {out.decode_seconds:.2f}s = "
+          f"{out.tokens_per_second:.1f} tok/s (compile {out.compile_seconds:.1f}s, load {load_seconds:.1f}s)")
+    print(f"target forwards {out.target_forwards}, rounds {out.rounds}, draft forwards {out.draft_forwards}")
+    if int(out.drafted.sum()):
+        print(f"acceptance rate {out.acceptance_rate:.2f}, mean accepted length {out.mean_accepted_length:.2f} "
+              f"tokens/round, histogram {report['accepted_length_histogram']}")
+    if "speedup_over_plain" in report:
+        print(f"plain: {report['plain_tokens_per_second']:.1f} tok/s -> speedup {report['speedup_over_plain']:.2f}x, "
+              f"identical tokens: {report['same_tokens_as_plain']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
