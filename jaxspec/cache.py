@@ -63,7 +63,9 @@ class MLACache:
         return MLACache(latent=MLA_CACHE_AXES, k_rope=MLA_CACHE_AXES)  # type: ignore[arg-type]
 
 
-def init_mla_cache(num_layers: int, batch: int, size: int, latent_dim: int, rope_dim: int, dtype: jnp.dtype) -> MLACache:
+def init_mla_cache(
+    num_layers: int, batch: int, size: int, latent_dim: int, rope_dim: int, dtype: jnp.dtype
+) -> MLACache:
     """Zero-filled latent cache for `size` positions per row."""
     return MLACache(
         latent=jnp.zeros((num_layers, batch, size, latent_dim), dtype),

@@ -89,7 +89,9 @@ class DeepseekV3Config:
             raise ValueError(f"DeepseekV3Config cannot read model_type={hf.get('model_type')!r}.")
         if hf.get("attention_bias"):
             raise NotImplementedError("attention_bias=True is not supported yet for DeepSeek-V3 checkpoints.")
-        get = lambda key: hf[key] if hf.get(key) is not None else HF_DEFAULTS[key]  # noqa: E731
+        def get(key):
+            return HF_DEFAULTS[key] if hf.get(key) is None else hf[key]
+
         num_heads = get("num_attention_heads")
         if hf.get("num_key_value_heads", num_heads) not in (None, num_heads):
             # MLA expands one latent into every head; HF's attention breaks for any other value.
@@ -143,7 +145,8 @@ def attention_shapes(cfg: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
     }
     if cfg.q_lora_rank is None:
         return shapes | {"wq": (d, h, cfg.qk_head_dim)}
-    return shapes | {"wq_a": (d, cfg.q_lora_rank), "q_norm": (cfg.q_lora_rank,), "wq_b": (cfg.q_lora_rank, h, cfg.qk_head_dim)}
+    rq = cfg.q_lora_rank
+    return shapes | {"wq_a": (d, rq), "q_norm": (rq,), "wq_b": (rq, h, cfg.qk_head_dim)}
 
 
 def param_shapes(cfg: DeepseekV3Config) -> dict[str, tuple[int, ...]]:

@@ -23,7 +23,7 @@ position k+1 (position i needs h_{i-1} of the previous depth), so its attention 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +72,10 @@ class MoeConfig:
         if not 1 <= get("topk_group") <= num_groups:
             raise ValueError(f"topk_group={get('topk_group')} must be between 1 and n_group={num_groups}.")
         if get("num_experts_per_tok") > num_experts // num_groups * get("topk_group"):
-            raise ValueError("num_experts_per_tok exceeds the experts in the topk_group selected groups.")
+            raise ValueError(
+                f"num_experts_per_tok={get('num_experts_per_tok')} exceeds the {num_experts // num_groups} experts in "
+                f"each of the topk_group={get('topk_group')} groups a token may use."
+            )
         return cls(
             num_experts=num_experts,
             experts_per_token=get("num_experts_per_tok"),
@@ -294,7 +297,6 @@ TOP_AXES: dict[str, tuple[str, ...]] = {
 }
 DENSE_FFN = ("w_gate", "w_up", "w_down")
 MOE_FFN = ("router", "router_bias", "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down")
-MTP_EXTRA = ("enorm", "hnorm", "eh_proj", "out_norm")
 MTP_PREFIX = "mtp_"
 
 
@@ -308,7 +310,8 @@ def stack_shapes(cfg, attention: dict[str, tuple[int, ...]]) -> dict[str, tuple[
     n, n_dense, m = cfg.num_layers, moe.first_dense_layers, cfg.num_mtp_layers
     e, f, fs = moe.num_experts, moe.expert_size, moe.expert_size * moe.num_shared_experts
     block = attention | {"attn_norm": (d,), "mlp_norm": (d,)}
-    dense = {"w_gate": (d, cfg.intermediate_size), "w_up": (d, cfg.intermediate_size), "w_down": (cfg.intermediate_size, d)}
+    fd = cfg.intermediate_size
+    dense = {"w_gate": (d, fd), "w_up": (d, fd), "w_down": (fd, d)}
     routed = {
         "router": (d, e),
         "router_bias": (e,),
@@ -341,8 +344,6 @@ def param_axes(name: str, attention_axes: dict[str, tuple[str, ...]]) -> tuple[s
 
 # ----------------------------------------------------------------------------------------------------------------
 # The model
-
-AttentionFn = Callable[..., tuple[jax.Array, Any]]
 
 
 class MoeCausalLM(nnx.Module):
@@ -427,8 +428,10 @@ class MoeCausalLM(nnx.Module):
 
         Entry j is token `tokens[:, j]` at `positions[:, j]` = i, combined with `prev_hidden[:, j]`: the state at
         position i-1 (depth 0: the main model's final-normed hidden; depth k > 0: depth k-1's `normed_out`). Its
-        logits predict the token at position i+1+depth. Entries are written to the depth's cache at their positions;
-        attention sees this depth's entries in [depth+1, i].
+        logits predict the token at position i+1 (at depth k they descend from the main model's state at i-1-k).
+        In a round over a sequence of length L, depth k's newest entry is at position L-1+k and holds draft k-1
+        (depth 0: the newest token); its logits give draft k. Entries are written to the depth's cache at their
+        positions; attention sees this depth's entries in [depth+1, i].
         """
         self._check_mtp_depth(depth)
         names = [n for n in vars(self) if n.startswith(MTP_PREFIX)]

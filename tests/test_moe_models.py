@@ -31,7 +31,7 @@ from jaxspec.models.deepseek_v3 import DeepseekV3Config
 from jaxspec.models.glm4_moe import Glm4MoeConfig
 
 B, T = 2, 14  # every forward and MTP reference runs at this shape
-CACHE = T + 2
+CACHE = 2 * T
 ATOL = 1e-4  # logits here are of magnitude 1-10
 
 COMMON = dict(
@@ -236,7 +236,9 @@ class Case:
     def __post_init__(self):
         graphdef, state = nnx.split(self.module)
         self._state = state
-        merge = lambda s: nnx.merge(graphdef, s)  # noqa: E731
+
+        def merge(state):
+            return nnx.merge(graphdef, state)
 
         @jax.jit
         def forward(state, tokens, positions, cache):
@@ -324,15 +326,20 @@ def test_mtp_drafts_match_transformers_mtp_model(mtp_case):
 
 
 def test_cache_chunks_match_one_forward(tmp_path_factory):
-    """Prefill half the sequence, then feed the rest against the cache: the logits of one full forward. The model
-    has a dense layer and two MoE layers, scanned as two stacks that must write distinct cache layers."""
+    """Two forwards of the same width against one cache, each a real chunk of half the sequence followed by junk
+    (as a verify step's rejected drafts): the real positions' logits are those of one full forward. The first
+    call's junk sits where the second call writes before it attends; the model has a dense layer and two MoE
+    layers, scanned as two stacks that must write distinct cache layers."""
     case = _build_case("deepseek_mtp", tmp_path_factory)
     full, _ = case.full_forward(case.tokens)
     half = T // 2
+    junk = np.random.default_rng(2).integers(3, COMMON["vocab_size"], (B, half)).astype(np.int32)
     cache = case.module.init_cache(B, CACHE)
-    first, _, cache = case.forward(case.tokens[:, :half], positions_of(case.tokens[:, :half]), cache)
-    second, _, _ = case.forward(case.tokens[:, half:], positions_of(case.tokens[:, half:], half), cache)
-    np.testing.assert_allclose(np.concatenate([first, second], 1), full, atol=ATOL, rtol=0)
+    chunk = np.concatenate([case.tokens[:, :half], junk], 1)
+    first, _, cache = case.forward(chunk, positions_of(chunk), cache)
+    chunk = np.concatenate([case.tokens[:, half:], junk], 1)
+    second, _, _ = case.forward(chunk, positions_of(chunk, half), cache)
+    np.testing.assert_allclose(np.concatenate([first[:, :half], second[:, :half]], 1), full, atol=ATOL, rtol=0)
 
 
 def test_router_matches_transformers():
@@ -434,12 +441,11 @@ def _params(module) -> dict[str, np.ndarray]:
 def test_sharded_checkpoint_with_mtp_in_its_own_shard(tmp_path, tmp_path_factory):
     case = _build_case("deepseek_mtp", tmp_path_factory)
     tensors = read_tensors(os.path.join(case.folder, "model.safetensors"))
-    is_mtp = lambda name: name.startswith(f"model.layers.{case.n_layers}.") or name.startswith(  # noqa: E731
-        f"model.layers.{case.n_layers + 1}."
-    )
-    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    mtp_prefixes = tuple(f"model.layers.{case.n_layers + k}." for k in range(case.module.num_mtp_layers))
+    main, mtp = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    shards = {main: {}, mtp: {}}
     for name, value in tensors.items():
-        shards["model-0000{}-of-00002.safetensors".format(2 if is_mtp(name) else 1)][name] = value
+        shards[mtp if name.startswith(mtp_prefixes) else main][name] = value
     weight_map = {}
     for shard, part in shards.items():
         save_file(part, str(tmp_path / shard))
@@ -479,11 +485,13 @@ def test_mtp_layer_count_comes_from_config_json():
     assert Glm4MoeConfig.from_hf_config(hf | {"num_nextn_predict_layers": 1}).num_mtp_layers == 1
 
 
-def test_mtp_on_a_model_without_mtp_layers_is_an_error(case):
-    if case.module.num_mtp_layers:
-        pytest.skip("this case has MTP layers")
+def test_mtp_on_a_model_without_mtp_layers_is_an_error(tmp_path_factory):
+    module = _build_case("deepseek_plain", tmp_path_factory).module
+    assert module.num_mtp_layers == 0
     with pytest.raises(ValueError, match="num_nextn_predict_layers=0"):
-        case.module.init_mtp_cache(B, CACHE)
+        module.init_mtp_cache(B, CACHE)
+    with pytest.raises(ValueError, match="MTP depth 0 does not exist"):
+        module.mtp_step(0, np.zeros((B, 1), np.int32), np.zeros((B, 1, COMMON["hidden_size"])), np.ones((B, 1)), None)
 
 
 def test_unsupported_configs_raise():
