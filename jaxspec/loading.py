@@ -108,7 +108,10 @@ def build_module(model_cls, cfg, dtype, params: dict[str, np.ndarray]) -> nnx.Mo
     """Instantiate the module abstractly (no random init at real sizes), then fill in the converted params."""
     abstract = nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype))
     graphdef, state = nnx.split(abstract)
-    pure = {name: jnp.asarray(value, dtype=dtype) for name, value in params.items()}
+    # Each param takes the dtype the module declares: most follow `dtype`, but some must stay float32
+    # (e.g. the MoE router's score-correction bias, whose rounding would change expert choices).
+    declared = nnx.to_pure_dict(state)
+    pure = {name: jnp.asarray(value, dtype=declared[name].dtype) for name, value in params.items()}
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
 
