@@ -141,13 +141,15 @@ def generate(
     prompt_lookup_num_tokens: int | None = None,
     max_matching_ngram_size: int | None = None,
     assistant_early_exit: int | None = None,
+    use_mtp: bool = False,
     tokenizer: Any = None,
     assistant_tokenizer: Any = None,
 ) -> GenerateOutput:
     """Generate `max_new_tokens` per row, plainly or with one assisted strategy, in one compiled loop.
 
     Arguments mirror HF `generate`. Strategy: `assistant_model` (speculative decoding), `prompt_lookup_num_tokens`
-    (n-gram copying), `assistant_early_exit` (the first E layers draft); at most one. Draft length:
+    (n-gram copying), `assistant_early_exit` (the first E layers draft), `use_mtp` (the checkpoint's MTP layers
+    draft; `num_assistant_tokens` defaults to their number); at most one. Draft length:
     `num_assistant_tokens`, `num_assistant_tokens_schedule`, `assistant_confidence_threshold` passed here win over
     the drafting model's generation_config, which wins over HF's defaults (20, "constant", 0.4);
     `max_assistant_tokens` is the static cap of the draft buffer. Greedy output equals plain greedy decoding for
@@ -167,6 +169,7 @@ def generate(
         prompt_lookup_num_tokens=prompt_lookup_num_tokens,
         max_matching_ngram_size=max_matching_ngram_size,
         assistant_early_exit=assistant_early_exit,
+        use_mtp=use_mtp,
         tokenizer=tokenizer,
         assistant_tokenizer=assistant_tokenizer,
     )

@@ -46,15 +46,35 @@ def default_dtype() -> jnp.dtype:
 
 
 def load(path: str, dtype: Any = None, progress: bool = False) -> Model:
-    """Load an HF folder (config.json + model.safetensors or a sharded index) or a `.gguf` file.
+    """Load an HF folder (config.json + model.safetensors or a sharded index), a `.gguf` file, a catalogue name or
+    a conversion folder written by `scripts/convert.py` (see `jaxspec.checkpoint`).
 
     Every tensor is used or explicitly ignored; a missing, extra or mis-shaped tensor raises an error naming it.
-    Torch is never imported.
+    A catalogue name is converted once and then restored from the conversion cache; a conversion folder is
+    restored (at its own dtype unless `dtype` is given) without converting. Torch is never imported.
     """
-    dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
     path = os.fspath(path)
+    from . import catalog, checkpoint
+
+    if catalog.is_catalog_name(path):
+        return checkpoint.load_cached(path, _dtype_or_default(dtype), progress)
+    if checkpoint.is_converted(path):
+        return checkpoint.restore(path, dtype)
+    return convert(path, _dtype_or_default(dtype), progress)
+
+
+def _dtype_or_default(dtype: Any) -> jnp.dtype:
+    return jnp.dtype(dtype) if dtype is not None else default_dtype()
+
+
+def convert(path: str, dtype: Any, progress: bool = False) -> Model:
+    """Convert a source checkpoint (HF folder, `.gguf` file, catalogue name, hub id) into a `Model`.
+
+    The conversion cache is neither read nor written here: `scripts/convert.py` and the cache itself call this.
+    """
     from . import catalog
 
+    dtype = jnp.dtype(dtype)
     if catalog.is_catalog_name(path):
         path = catalog.resolve(path)
     elif not os.path.exists(path) and _looks_like_hub_id(path):

@@ -418,12 +418,16 @@ class MoeCausalLM(nnx.Module):
     def num_mtp_layers(self) -> int:
         return self.cfg.num_mtp_layers
 
-    def init_mtp_cache(self, batch: int, size: int):
-        """One position-indexed cache per MTP depth, stacked on the leading (layers) axis."""
+    def init_mtp_cache(self, batch: int, size: int, depths: int | None = None):
+        """One position-indexed cache per MTP depth, stacked on the leading (layers) axis. `depths` may exceed the
+        number of MTP layers when the last layer is reused for extra drafts; each depth keeps its own cache."""
         self._check_mtp_depth(0)
-        return self.new_cache(self.cfg.num_mtp_layers, batch, size)
+        return self.new_cache(depths or self.cfg.num_mtp_layers, batch, size)
 
-    def mtp_step(self, depth: int, tokens: jax.Array, prev_hidden: jax.Array, positions: jax.Array, mtp_cache):
+    def mtp_step(
+        self, depth: int, tokens: jax.Array, prev_hidden: jax.Array, positions: jax.Array, mtp_cache,
+        layer: int | None = None,
+    ):
         """One MTP depth over T entries: `(normed_out[B,T,D], logits[B,T,V], mtp_cache)`.
 
         Entry j is token `tokens[:, j]` at `positions[:, j]` = i, combined with `prev_hidden[:, j]`: the state at
@@ -431,11 +435,13 @@ class MoeCausalLM(nnx.Module):
         logits predict the token at position i+1 (at depth k they descend from the main model's state at i-1-k).
         In a round over a sequence of length L, depth k's newest entry is at position L-1+k and holds draft k-1
         (depth 0: the newest token); its logits give draft k. Entries are written to the depth's cache at their
-        positions; attention sees this depth's entries in [depth+1, i].
+        positions; attention sees this depth's entries in [depth+1, i]. `layer` (default: `depth`) picks the MTP
+        weights, so depths past the last layer can reuse it (vLLM's way of drafting more tokens than layers).
         """
-        self._check_mtp_depth(depth)
+        layer = depth if layer is None else layer
+        self._check_mtp_depth(layer)
         names = [n for n in vars(self) if n.startswith(MTP_PREFIX)]
-        p = {n.removeprefix(MTP_PREFIX): getattr(self, n)[...][depth] for n in names}
+        p = {n.removeprefix(MTP_PREFIX): getattr(self, n)[...][layer] for n in names}
         eps = self.cfg.rms_norm_eps
         e = L.rms_norm(self.embed_tokens(tokens), p["enorm"], eps)
         h = L.rms_norm(prev_hidden.astype(e.dtype), p["hnorm"], eps)

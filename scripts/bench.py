@@ -17,8 +17,9 @@ plain greedy tokens.
 Timing: each (library, model, strategy) runs the prompt set once untimed (jaxspec compiles there, reported in its
 own column), then `--repeats` timed passes; tokens/s is new tokens over the summed per-call seconds of a pass,
 median over passes. jaxspec's seconds are `GenerateOutput.decode_seconds` (prefill + decode loop, compile excluded);
-transformers' are the wall time of `generate`. The libraries run one after the other per model (all jaxspec
-strategies, then all transformers strategies), so only one library's weights are in memory at a time.
+transformers' are the wall time of `generate`. Both libraries hold the model at once and the timed passes alternate
+between every (library, strategy), so a change of load on the machine is spread over all rows instead of landing on
+one library. Peak memory is therefore both libraries' float32 weights (random-500m with its assistant: about 7 GB).
 
 Threads: both libraries get the same CPU cores. The process is pinned to the first T cores of its affinity mask
 before jax or torch is imported: XLA's CPU client sizes its thread pool from that mask. The often-quoted
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -103,13 +105,14 @@ class ModelSource:
 
 @dataclasses.dataclass
 class Plan:
-    """One strategy on one model: the generate() arguments of each library and the draft config to set."""
+    """One strategy on one model: the generate() arguments of each library and the draft-length settings."""
 
     strategy: str
     settings: str  # human-readable, for the table
     drafter: str | None  # "assistant", "target" (self / early exit) or None: whose generation_config HF reads
     jaxspec_kwargs: dict[str, Any]
     hf_kwargs: dict[str, Any]
+    draft_config: dict[str, Any] = dataclasses.field(default_factory=dict)  # jaxspec: arguments; HF: drafter config
 
 
 @dataclasses.dataclass
@@ -150,6 +153,7 @@ class Measurement:
         return sum(c.compile_seconds for c in self.warmup + [c for p in self.passes for c in p])
 
     def total(self, field: str) -> int:
+        """A counter summed over the prompts of the first timed pass (greedy: every pass counts the same)."""
         return sum(getattr(c, field) for c in self.passes[0])
 
     @property
@@ -282,6 +286,8 @@ def resolve_source(name: str, workdir: str) -> ModelSource:
     from jaxspec import catalog
     from jaxspec.convert.gguf import read_gguf
 
+    if not catalog.is_catalog_name(name):
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join([*RANDOM_MODELS, *catalog.CATALOG])}")
     path = catalog.resolve(name)
     assistant = catalog.resolve(CATALOG_ASSISTANTS[name]) if name in CATALOG_ASSISTANTS else None
     return ModelSource(name, "catalog", path, assistant, read_gguf(path).hf_config["num_hidden_layers"])
@@ -357,9 +363,9 @@ def plan_for(strategy: str, source: ModelSource, s: DraftSettings) -> Plan | str
     if strategy == "speculative":
         if source.assistant_path is None:
             return "no smaller checkpoint with the same tokenizer is installed"
-        return Plan(strategy, f"{os.path.basename(source.assistant_path)} {draft_text}", "assistant", draft, {})
+        return Plan(strategy, f"{os.path.basename(source.assistant_path)} {draft_text}", "assistant", {}, {}, draft)
     if strategy == "speculative-self":
-        return Plan(strategy, f"target drafts {draft_text}", "target", draft, {})
+        return Plan(strategy, f"target drafts {draft_text}", "target", {}, {}, draft)
     if strategy == "prompt_lookup":
         n = s.prompt_lookup_num_tokens
         return Plan(strategy, f"num_tokens={n} ngram=2", None, {"prompt_lookup_num_tokens": n},
@@ -367,66 +373,55 @@ def plan_for(strategy: str, source: ModelSource, s: DraftSettings) -> Plan | str
     if strategy == "early_exit":
         if not 1 <= s.early_exit < source.num_layers:
             return f"early exit {s.early_exit} is not inside 1..{source.num_layers - 1}"
-        return Plan(strategy, f"E={s.early_exit}/{source.num_layers} {draft_text}", "target",
-                    draft | {"assistant_early_exit": s.early_exit}, {"assistant_early_exit": s.early_exit})
+        early_exit = {"assistant_early_exit": s.early_exit}
+        return Plan(strategy, f"E={s.early_exit}/{source.num_layers} {draft_text}", "target", early_exit, early_exit,
+                    draft)
     raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Running
 
-
-def measure(library: str, model: str, strategy: str, call: Callable[[str, np.ndarray], Call],
-            prompts: dict[str, np.ndarray], repeats: int) -> Measurement:
-    """One untimed pass over the prompts (jaxspec compiles there), then `repeats` timed passes."""
-    warmup = [call(name, ids) for name, ids in prompts.items()]
-    passes = [[call(name, ids) for name, ids in prompts.items()] for _ in range(repeats)]
-    result = Measurement(library, model, strategy, warmup, passes)
-    print(f"  {library:12s} {strategy:16s} {result.tokens_per_second:8.2f} tok/s", file=sys.stderr)
-    return result
+CallFn = Callable[[str, np.ndarray], Call]
 
 
-def run_jaxspec(source: ModelSource, strategies: list[str], settings: DraftSettings, prompt_names: list[str],
-                max_new_tokens: int, repeats: int, notes: list[str]):
-    """All strategies with jaxspec; returns (measurements, prompts, eos ids, pad id, (parameters, bytes/token))."""
+def measure_all(model: str, calls: dict[tuple[str, str], CallFn], prompts: dict[str, np.ndarray],
+                repeats: int) -> dict[tuple[str, str], Measurement]:
+    """One untimed pass of every (library, strategy) over the prompts (jaxspec compiles there), then `repeats`
+    timed rounds, each running one pass of every (library, strategy) in turn: a load change on a shared machine
+    then spreads over all of them instead of landing on whichever ran last."""
+    print(f"  untimed pass (jaxspec compiles) over {len(calls)} library x strategy pairs", file=sys.stderr)
+    warmups = {key: [call(name, ids) for name, ids in prompts.items()] for key, call in calls.items()}
+    passes: dict[tuple[str, str], list[list[Call]]] = {key: [] for key in calls}
+    for repeat in range(repeats):
+        print(f"  timed pass {repeat + 1}/{repeats}", file=sys.stderr)
+        for key, call in calls.items():
+            passes[key].append([call(name, ids) for name, ids in prompts.items()])
+    results = {key: Measurement(key[0], model, key[1], warmups[key], passes[key]) for key in calls}
+    for (library, strategy), m in results.items():
+        print(f"  {library:12s} {strategy:16s} {m.tokens_per_second:8.2f} tok/s", file=sys.stderr)
+    return results
+
+
+def jaxspec_call(plan: Plan, target, assistant, eos: list[int], pad: int, max_new_tokens: int) -> CallFn:
     import jaxspec
 
-    target = jaxspec.load(source.path)
-    prompts = encode_prompts(prompt_tokenizer(source, target), target.config.vocab_size, prompt_names)
-    plans = {s: plan_for(s, source, settings) for s in strategies}
-    needs_assistant = any(isinstance(p, Plan) and p.drafter == "assistant" for p in plans.values())
-    assistant = jaxspec.load(source.assistant_path) if needs_assistant else None
-    eos = list(target.eos_token_ids())
-    pad = target.config.pad_token_id if target.config.pad_token_id is not None else (eos[0] if eos else 0)
+    kwargs = plan.jaxspec_kwargs | plan.draft_config
+    if plan.drafter == "assistant":
+        kwargs["assistant_model"] = assistant
+    elif plan.strategy == "speculative-self":
+        kwargs["assistant_model"] = target
 
-    def call_for(plan: Plan):
-        kwargs = dict(plan.jaxspec_kwargs)
-        if plan.drafter == "assistant":
-            kwargs["assistant_model"] = assistant
-        elif plan.drafter == "target" and "assistant_early_exit" not in kwargs:
-            kwargs["assistant_model"] = target
+    def call(name: str, ids: np.ndarray) -> Call:
+        out = jaxspec.generate(target, ids[None], max_new_tokens=max_new_tokens, eos_token_id=eos,
+                               pad_token_id=pad, **kwargs)
+        n = int(out.num_new_tokens[0])
+        return Call(name, out.sequences[0, len(ids): len(ids) + n].tolist(), out.decode_seconds,
+                    out.compile_seconds, out.target_forwards, out.rounds,
+                    n - 1,  # the prefill commits the first token, the rounds the rest
+                    int(out.drafted.sum()), int(out.accepted.sum()))
 
-        def call(name: str, ids: np.ndarray) -> Call:
-            out = jaxspec.generate(target, ids[None], max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                   pad_token_id=pad, **kwargs)
-            n = int(out.num_new_tokens[0])
-            return Call(name, out.sequences[0, len(ids): len(ids) + n].tolist(), out.decode_seconds,
-                        out.compile_seconds, out.target_forwards, out.rounds,
-                        n - 1,  # the prefill commits the first token, each round the rest
-                        int(out.drafted.sum()), int(out.accepted.sum()))
-
-        return call
-
-    results = {}
-    for strategy, plan in plans.items():
-        if isinstance(plan, str):
-            notes.append(f"{source.name}: {strategy} skipped: {plan}")
-            continue
-        results[strategy] = measure("jaxspec", source.name, strategy, call_for(plan), prompts, repeats)
-    weights = weight_bytes_per_token(target.module)
-    del target, assistant
-    gc.collect()
-    return results, prompts, eos, pad, weights
+    return call
 
 
 class HFTally:
@@ -461,6 +456,39 @@ class HFTally:
         self.forwards += 1
 
 
+def hf_call(plan: Plan, target, assistant, tally: HFTally, eos: list[int], pad: int, max_new_tokens: int) -> CallFn:
+    import torch
+
+    kwargs = dict(plan.hf_kwargs)
+    drafting_model = {"assistant": assistant, "target": target, None: None}[plan.drafter]
+    if plan.strategy in ("speculative", "speculative-self"):
+        kwargs["assistant_model"] = drafting_model
+
+    def call(name: str, ids: np.ndarray) -> Call:
+        if drafting_model is not None:
+            # HF reads draft length, schedule and threshold from the drafting model's generation_config (generate's
+            # kwargs do not reach it), and a heuristic schedule writes back into it: set them before every call.
+            for key, value in plan.draft_config.items():
+                setattr(drafting_model.generation_config, key, value)
+        input_ids = torch.as_tensor(ids[None].astype(np.int64))
+        tally.reset()
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False, eos_token_id=eos, pad_token_id=pad, **kwargs)
+            seconds = time.perf_counter() - start
+        tokens = out[0, len(ids):].tolist()
+        if plan.strategy == "greedy":
+            # Plain decoding: one forward per token, which the hook counts.
+            return Call(name, tokens, seconds, 0.0, tally.forwards, tally.forwards, len(tokens), 0, 0)
+        # Assisted: one target forward per round, the first also holding the prompt. When the target drafts for
+        # itself the hook cannot tell its drafting forwards apart, so the rounds are the count.
+        return Call(name, tokens, seconds, 0.0, tally.rounds, tally.rounds, tally.round_tokens, tally.drafted,
+                    tally.accepted)
+
+    return call
+
+
 def quiet_transformers() -> None:
     """No per-load progress bars, and no warning that HF's own assistant generate() triggers on every round."""
     import transformers
@@ -482,52 +510,55 @@ def load_hf(path: str):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def run_hf(source: ModelSource, strategies: list[str], settings: DraftSettings, prompts: dict[str, np.ndarray],
-           eos: list[int], pad: int, max_new_tokens: int, repeats: int):
-    import torch
+@dataclasses.dataclass
+class ModelRun:
+    """Everything measured on one model."""
 
-    target = load_hf(source.path)
-    tally = HFTally(target)
-    plans = {s: plan_for(s, source, settings) for s in strategies}
-    plans = {s: p for s, p in plans.items() if isinstance(p, Plan)}
-    assistant = load_hf(source.assistant_path) if any(p.drafter == "assistant" for p in plans.values()) else None
+    plans: dict[str, Plan]
+    jaxspec: dict[str, Measurement]
+    hf: dict[str, Measurement]
+    prompts: dict[str, np.ndarray]
+    eos: list[int]
+    pad: int
+    parameters: int
+    bytes_per_token: int
 
-    def call_for(plan: Plan):
-        kwargs = dict(plan.hf_kwargs)
-        drafting_model = {"assistant": assistant, "target": target, None: None}[plan.drafter]
-        if plan.strategy in ("speculative", "speculative-self"):
-            kwargs["assistant_model"] = drafting_model
 
-        def call(name: str, ids: np.ndarray) -> Call:
-            if drafting_model is not None:
-                # HF reads draft length / schedule / threshold from the drafting model's generation_config (not
-                # from generate's kwargs), and a heuristic schedule writes back into it: reset before every call.
-                for key in ("num_assistant_tokens", "num_assistant_tokens_schedule",
-                            "assistant_confidence_threshold"):
-                    setattr(drafting_model.generation_config, key, plan.jaxspec_kwargs[key])
-            input_ids = torch.as_tensor(ids[None].astype(np.int64))
-            tally.reset()
-            with torch.inference_mode():
-                start = time.perf_counter()
-                out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                      max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-                                      pad_token_id=pad, **kwargs)
-                seconds = time.perf_counter() - start
-            tokens = out[0, len(ids):].tolist()
-            if plan.drafter is None and plan.strategy == "greedy":
-                # Plain decoding: one forward per token; the hook counts exactly those.
-                return Call(name, tokens, seconds, 0.0, tally.forwards, tally.forwards, len(tokens), 0, 0)
-            # Assisted: one target forward per round (the first also holds the prompt). The hook cannot tell them
-            # apart from drafting forwards when the target drafts for itself, so rounds are the count.
-            return Call(name, tokens, seconds, 0.0, tally.rounds, tally.rounds, tally.round_tokens,
-                        tally.drafted, tally.accepted)
+def bench_model(source: ModelSource, args, settings: DraftSettings, notes: list[str]) -> ModelRun:
+    """Load the model (and assistant) in both libraries, then measure every applicable strategy."""
+    import jaxspec
 
-        return call
+    plans = {}
+    for strategy in args.strategies:
+        plan = plan_for(strategy, source, settings)
+        if isinstance(plan, str):
+            notes.append(f"{source.name}: {strategy} skipped: {plan}")
+        else:
+            plans[strategy] = plan
+    needs_assistant = any(p.drafter == "assistant" for p in plans.values())
 
-    results = {s: measure("transformers", source.name, s, call_for(p), prompts, repeats) for s, p in plans.items()}
-    del target, assistant
-    gc.collect()
-    return results
+    target = jaxspec.load(source.path, dtype="float32")  # explicit: the default is bfloat16 on accelerators
+    assistant = jaxspec.load(source.assistant_path, dtype="float32") if needs_assistant else None
+    prompts = encode_prompts(prompt_tokenizer(source, target), target.config.vocab_size, args.prompts)
+    eos = list(target.eos_token_ids())
+    pad = target.config.pad_token_id if target.config.pad_token_id is not None else (eos[0] if eos else 0)
+    parameters, nbytes = weight_bytes_per_token(target.module)
+    calls = {("jaxspec", s): jaxspec_call(p, target, assistant, eos, pad, args.max_new_tokens)
+             for s, p in plans.items()}
+    if not args.skip_hf:
+        # Both libraries stay loaded so that the timed passes can alternate between them.
+        hf_target = load_hf(source.path)
+        hf_assistant = load_hf(source.assistant_path) if needs_assistant else None
+        tally = HFTally(hf_target)
+        calls |= {("transformers", s): hf_call(p, hf_target, hf_assistant, tally, eos, pad, args.max_new_tokens)
+                  for s, p in plans.items()}
+    results = measure_all(source.name, calls, prompts, args.repeats)
+    return ModelRun(
+        plans=plans,
+        jaxspec={s: m for (lib, s), m in results.items() if lib == "jaxspec"},
+        hf={s: m for (lib, s), m in results.items() if lib == "transformers"},
+        prompts=prompts, eos=eos, pad=pad, parameters=parameters, bytes_per_token=nbytes,
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -591,6 +622,14 @@ def fmt(value: float | None, spec: str = ".2f") -> str:
     return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def times(value: float) -> str:
+    return "–" if math.isnan(value) else f"{value:.2f}x"
+
+
+def percent(part: float, whole: float) -> str:
+    return "" if math.isnan(part) else f" ({100 * part / whole:.0f}%)"
+
+
 def pair(a, b, spec: str = ".2f") -> str:
     return f"{fmt(a, spec)} / {fmt(b, spec)}"
 
@@ -607,12 +646,20 @@ def markdown(rows: list[Row], rooflines: list[Roofline], header: list[str], note
         equal = "–" if r.jaxspec_equal_hf_greedy is None else f"{r.jaxspec_equal_hf_greedy}/{r.prompts}"
         lines.append(
             f"| {r.model} | {r.strategy} | {r.settings} | {fmt(r.jaxspec_tokens_per_second)} "
-            f"| {fmt(r.hf_tokens_per_second)} | {fmt(r.jaxspec_over_hf)}x | {fmt(r.jaxspec_compile_seconds, '.1f')} "
+            f"| {fmt(r.hf_tokens_per_second)} | {times(r.jaxspec_over_hf)} | {fmt(r.jaxspec_compile_seconds, '.1f')} "
             f"| {pair(r.jaxspec_target_forwards, r.hf_target_forwards, 'd')} "
             f"| {pair(r.jaxspec_acceptance_rate, r.hf_acceptance_rate)} "
             f"| {pair(r.jaxspec_mean_accepted_length, r.hf_mean_accepted_length)} "
             f"| {pair(r.jaxspec_speedup_over_greedy, r.hf_speedup_over_greedy)} | {equal} |"
         )
+    lines += [
+        "",
+        "Target forwards include the prefill, summed over the prompts. Mean accepted length is tokens committed per "
+        "verification round: jaxspec's prefill commits the first token by itself, while transformers' first round is "
+        "the prefill and already verifies drafts, so for assisted strategies transformers can need one target forward "
+        "fewer per prompt for the same tokens. jx = HF greedy: prompts whose jaxspec tokens equal transformers' "
+        "plain greedy tokens.",
+    ]
     if rooflines:
         lines += [
             "",
@@ -626,23 +673,21 @@ def markdown(rows: list[Row], rooflines: list[Roofline], header: list[str], note
             lines.append(
                 f"| {r.model} | {r.parameters / 1e6:.1f}M | {r.bytes_per_token / 1e6:.0f} MB "
                 f"| {r.bandwidth_gb_s:.1f} GB/s | {r.tokens_per_second:.1f} "
-                f"| {fmt(r.jaxspec_greedy)} ({fmt(100 * r.jaxspec_greedy / r.tokens_per_second, '.0f')}%) "
-                f"| {fmt(r.hf_greedy)} ({fmt(100 * r.hf_greedy / r.tokens_per_second, '.0f')}%) |"
+                f"| {fmt(r.jaxspec_greedy)}{percent(r.jaxspec_greedy, r.tokens_per_second)} "
+                f"| {fmt(r.hf_greedy)}{percent(r.hf_greedy, r.tokens_per_second)} |"
             )
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
 
 
-def chart(rows: list[Row], path: str) -> str | None:
-    """Grouped bars of tokens/s per strategy, one panel per model; a note instead when matplotlib is missing."""
-    try:
-        import matplotlib
+def chart(rows: list[Row], path: str) -> None:
+    """Grouped bars of tokens/s per strategy, both libraries side by side, one panel per model."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no chart written"
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
     models = list(dict.fromkeys(r.model for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -657,7 +702,7 @@ def chart(rows: list[Row], path: str) -> str | None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    return None
+    plt.close(fig)
 
 
 def environment(cores: list[int], bandwidth: float) -> dict[str, Any]:
@@ -673,6 +718,33 @@ def environment(cores: list[int], bandwidth: float) -> dict[str, Any]:
         "transformers": transformers.__version__, "torch": torch.__version__, "dtype": "float32", "batch": 1,
         "copy_bandwidth_gb_s": bandwidth,
     }
+
+
+def cpu_snapshot() -> tuple[float, float, float] | None:
+    """(wall seconds, CPU seconds busy on the whole machine, CPU seconds of this process); None off Linux."""
+    try:
+        with open("/proc/stat", encoding="ascii") as handle:
+            fields = [int(x) for x in handle.readline().split()[1:9]]  # user .. steal, in clock ticks
+    except OSError:
+        return None
+    idle = fields[3] + fields[4]  # idle + iowait
+    own = os.times()
+    return time.perf_counter(), (sum(fields) - idle) / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+def other_processes_cores(start, end) -> float | None:
+    """Cores that other processes kept busy on average between two snapshots: the noise in every timing here."""
+    if start is None or end is None:
+        return None
+    wall, busy, own = (b - a for a, b in zip(start, end))
+    return max(0.0, (busy - own) / wall)
+
+
+def contention_note(cores_used_by_others: float | None) -> str | None:
+    if cores_used_by_others is None or cores_used_by_others < 0.2:
+        return None
+    return (f"other processes kept {cores_used_by_others:.1f} of the machine's {os.cpu_count()} cores busy on average "
+            "during this run: the timings are noisy; rerun on an idle machine")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -716,18 +788,26 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     bandwidth = measure_copy_bandwidth(len(cores), args.copy_mb)
     env = environment(cores, bandwidth)
+    notes: list[str] = []
+    if args.schedule != "constant":
+        notes.append(f"{args.schedule} schedule: jaxspec grows the draft length up to its static buffer "
+                     "(max_assistant_tokens, by default 2 K); transformers grows it without a cap")
+    if "speculative" in args.strategies and not args.skip_hf and importlib.util.find_spec("sklearn") is not None:
+        # transformers' AssistedCandidateGenerator re-fits the threshold from a ROC curve when sklearn imports.
+        notes.append("scikit-learn is installed: transformers re-tunes assistant_confidence_threshold during "
+                     "speculative decoding with a separate assistant; jaxspec keeps the given value")
+    start = cpu_snapshot()
     header = [
         f"# jaxspec vs transformers, CPU, float32, batch 1, greedy, max_new_tokens={args.max_new_tokens}, "
         f"median of {args.repeats}",
         "",
-        f"{len(cores)} threads (cores {cores}); jax {env['jax']}, transformers {env['transformers']}, "
+        f"{len(cores)} thread{'s' if len(cores) > 1 else ''} (cores {cores}); jax {env['jax']}, "
+        f"transformers {env['transformers']}, "
         f"torch {env['torch']}; prompts: {', '.join(args.prompts)}. Copy bandwidth {bandwidth:.1f} GB/s.",
     ]
-    notes: list[str] = []
     rows: list[Row] = []
     rooflines: list[Roofline] = []
-    raw: list[dict[str, Any]] = []
-    settings_by_model: dict[str, dict[str, Any]] = {}
+    models: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="jaxspec-bench-") as workdir:
         for name in args.models:
             print(f"{name}:", file=sys.stderr)
@@ -737,34 +817,47 @@ def main(argv=None) -> None:
                 notes.append(f"{name}: skipped: {error}")
                 continue
             settings = draft_settings(args, source)
-            settings_by_model[name] = dataclasses.asdict(settings)
-            jx, prompts, eos, pad, (parameters, nbytes) = run_jaxspec(
-                source, args.strategies, settings, args.prompts, args.max_new_tokens, args.repeats, notes)
-            hf = {} if args.skip_hf else run_hf(source, list(jx), settings, prompts, eos, pad,
-                                                args.max_new_tokens, args.repeats)
-            plans = {s: plan_for(s, source, settings) for s in jx}
-            rows += build_rows(name, jx, hf, plans)
-            notes += losslessness_notes(name, jx, hf)
-            roof = bandwidth * 1e9 / nbytes
-            rooflines.append(Roofline(name, parameters, nbytes, bandwidth, roof,
-                                      jx["greedy"].tokens_per_second if "greedy" in jx else math.nan,
-                                      hf["greedy"].tokens_per_second if "greedy" in hf else math.nan))
-            raw.append({"model": name, "prompt_lengths": {p: len(ids) for p, ids in prompts.items()},
-                        "eos_token_id": eos, "pad_token_id": pad,
-                        "measurements": [dataclasses.asdict(m) for m in [*jx.values(), *hf.values()]]})
+            run = bench_model(source, args, settings, notes)
+            rows += build_rows(name, run.jaxspec, run.hf, run.plans)
+            notes += losslessness_notes(name, run.jaxspec, run.hf)
+            rooflines.append(roofline(name, run, bandwidth))
+            models.append({
+                "model": name, "path": source.path, "assistant_path": source.assistant_path,
+                "random_config": RANDOM_COMMON | RANDOM_MODELS[name] if name in RANDOM_MODELS else None,
+                "settings": dataclasses.asdict(settings), "eos_token_id": run.eos, "pad_token_id": run.pad,
+                "prompt_lengths": {p: len(ids) for p, ids in run.prompts.items()},
+                "measurements": [measurement_record(m) for m in [*run.jaxspec.values(), *run.hf.values()]],
+            })
+            gc.collect()  # free this model's weights (module graphs hold reference cycles) before the next loads
 
-    note = chart(rows, os.path.join(args.out, "bench.png"))
-    if note:
-        notes.append(note)
+    env["other_processes_cores"] = other_processes_cores(start, cpu_snapshot())
+    notes += [n for n in [contention_note(env["other_processes_cores"])] if n]
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    if not has_matplotlib:
+        notes.append("matplotlib is not installed: no chart written")
     report = markdown(rows, rooflines, header, notes)
     print(report)
     with open(os.path.join(args.out, "bench.md"), "w", encoding="utf-8") as handle:
         handle.write(report)
     with open(os.path.join(args.out, "bench.json"), "w", encoding="utf-8") as handle:
-        json.dump(_plain({"environment": env, "arguments": vars(args), "settings": settings_by_model,
-                          "rows": [dataclasses.asdict(r) for r in rows],
-                          "rooflines": [dataclasses.asdict(r) for r in rooflines],
-                          "models": raw, "notes": notes}), handle, indent=1)
+        json.dump(_plain({"environment": env, "arguments": vars(args), "rows": [dataclasses.asdict(r) for r in rows],
+                          "rooflines": [dataclasses.asdict(r) for r in rooflines], "models": models,
+                          "notes": notes}), handle, indent=1)
+    if has_matplotlib:  # last, so that a plotting failure cannot cost the figures
+        chart(rows, os.path.join(args.out, "bench.png"))
+
+
+def measurement_record(m: Measurement) -> dict[str, Any]:
+    """Every call as measured, plus the per-pass rates behind the median (their spread shows the noise)."""
+    per_pass = [m.new_tokens / sum(c.seconds for c in calls) for calls in m.passes]
+    return dataclasses.asdict(m) | {"tokens_per_second": m.tokens_per_second, "tokens_per_second_per_pass": per_pass}
+
+
+def roofline(name: str, run: ModelRun, bandwidth: float) -> Roofline:
+    greedy = {lib: m["greedy"].tokens_per_second if "greedy" in m else math.nan
+              for lib, m in (("jaxspec", run.jaxspec), ("hf", run.hf))}
+    return Roofline(name, run.parameters, run.bytes_per_token, bandwidth, bandwidth * 1e9 / run.bytes_per_token,
+                    greedy["jaxspec"], greedy["hf"])
 
 
 def _plain(value):

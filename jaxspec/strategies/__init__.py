@@ -31,6 +31,7 @@ def choose_strategy(
     prompt_lookup_num_tokens: int | None = None,
     max_matching_ngram_size: int | None = None,
     assistant_early_exit: int | None = None,
+    use_mtp: bool = False,
     tokenizer=None,
     assistant_tokenizer=None,
 ) -> StrategyChoice:
@@ -38,6 +39,7 @@ def choose_strategy(
         ("assistant_model", assistant_model),
         ("prompt_lookup_num_tokens", prompt_lookup_num_tokens),
         ("assistant_early_exit", assistant_early_exit),
+        ("use_mtp", use_mtp or None),
     ) if value is not None]
     if len(chosen) > 1:
         # HF silently lets one win by a fixed precedence; a silent choice hides a mistake, so say it.
@@ -65,11 +67,15 @@ def choose_strategy(
         return StrategyChoice("prompt_lookup", PromptLookupDrafter(max_draft=prompt_lookup_num_tokens,
                                                                    max_ngram=ngram))
 
+    keep_probs = do_sample or assistant_ensemble_weight is not None
+    if use_mtp:
+        return _mtp_strategy(model, num_assistant_tokens, num_assistant_tokens_schedule,
+                             assistant_confidence_threshold, keep_probs)
+
     settings = _draft_length_settings(
         assistant_model if assistant_model is not None else model,
         num_assistant_tokens, num_assistant_tokens_schedule, assistant_confidence_threshold, max_assistant_tokens,
     )
-    keep_probs = do_sample or assistant_ensemble_weight is not None
     if assistant_early_exit is not None:
         from .early_exit import EarlyExitDrafter
 
@@ -84,6 +90,23 @@ def choose_strategy(
 
     _check_assistant(model, assistant_model, tokenizer, assistant_tokenizer)
     return StrategyChoice("speculative", DraftModelDrafter(keep_probs=keep_probs, **settings), assistant_model)
+
+
+def _mtp_strategy(model, num_tokens, schedule, threshold, keep_probs) -> StrategyChoice:
+    from .mtp import MtpDrafter
+
+    layers = getattr(model.module, "num_mtp_layers", 0)
+    if not layers:
+        raise ValueError(
+            f"use_mtp=True needs multi-token-prediction layers, but this {model.config.__class__.__name__} has none "
+            "(config.json's num_nextn_predict_layers is 0 or absent, or the family has no MTP layers)."
+        )
+    if schedule not in (None, "constant") or threshold is not None:
+        raise ValueError("MTP drafts a fixed number of tokens per round: num_assistant_tokens_schedule and "
+                         "assistant_confidence_threshold do not apply to use_mtp=True.")
+    drafts = layers if num_tokens is None else num_tokens
+    _check_positive_int("num_assistant_tokens", drafts)
+    return StrategyChoice("mtp", MtpDrafter(max_draft=int(drafts), num_layers=layers, keep_probs=keep_probs))
 
 
 def _draft_length_settings(source_model, num_tokens, schedule, threshold, cap) -> dict[str, Any]:

@@ -1,0 +1,238 @@
+"""Converted checkpoints: a `Model` saved as an orbax checkpoint of Flax params, restored without converting again.
+
+Converting dequantizes GGUF blocks or reads safetensors and re-lays every tensor out; restoring a saved conversion
+only reads arrays that already have the module's shapes and dtypes. A conversion folder holds:
+
+    config.json             the HF config dict the module was built from
+    jaxspec.json            the marker: format version, dtype, source, jaxspec version (written last)
+    params/                 orbax checkpoint of `nnx.to_pure_dict` of the module's params
+    tokenizer files         `tokenizer.save_pretrained`, when the model has a tokenizer
+    generation_config.json  when the source had one
+
+`jaxspec.load(folder)` restores a folder that has the marker. `python scripts/convert.py SRC OUT` writes one.
+
+Catalogue names are converted once and cached: `jaxspec.load("smollm2-135m")` restores
+`{cache_root()}/converted/{name}-{dtype}` (`~/.cache/jaxspec/converted/smollm2-135m-float32` unless the
+`JAXSPEC_CACHE` environment variable names another cache root), converting and writing it the first time. A cached
+conversion is reused only if its marker names the same format version, jaxspec version and catalogue sha256;
+otherwise it is converted again and replaced. Deleting the folder forces a fresh conversion.
+
+Every folder is written into a temporary sibling (`OUT.tmp-<random>`) and renamed into place only when complete,
+so an interrupted or failed conversion never leaves a folder that loads.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import secrets
+import shutil
+import warnings
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from . import catalog, loading
+from .loading import Model, _load_tokenizer, _read_json
+from .registry import family_for
+
+FORMAT_VERSION = 1
+MARKER = "jaxspec.json"
+PARAMS_DIR = "params"
+
+
+def jaxspec_version() -> str:
+    """The installed distribution's version; a source checkout that was never installed reports "unknown"."""
+    try:
+        return importlib.metadata.version("jaxspec")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def is_converted(path: str) -> bool:
+    """Whether `path` is a conversion folder (has the marker), as opposed to an HF folder or a GGUF file."""
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def read_marker(folder: str) -> dict[str, Any]:
+    """The folder's marker, refusing one this jaxspec cannot restore (it names both format versions)."""
+    path = os.path.join(folder, MARKER)
+    try:
+        with open(path, encoding="utf-8") as f:
+            marker = json.load(f)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not a readable marker ({error}).") from error
+    found = marker.get("format_version") if isinstance(marker, dict) else None
+    if found != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: conversion format version {found!r}, but this jaxspec ({jaxspec_version()}) reads version "
+            f"{FORMAT_VERSION}; convert the source again with scripts/convert.py (or delete the folder if it is "
+            "a cached catalogue conversion)."
+        )
+    return marker
+
+
+def restore(folder: str, dtype: Any = None) -> Model:
+    """Rebuild the `Model` saved in `folder`: no tensor source is read and nothing is converted.
+
+    `dtype=None` keeps the dtype the folder was converted to; another dtype casts each param while reading
+    (params the module declares float32, like the MoE router bias, stay float32).
+    """
+    folder = os.fspath(folder)
+    marker = read_marker(folder)
+    params_dir = os.path.join(folder, PARAMS_DIR)
+    if not os.path.isdir(params_dir):
+        raise FileNotFoundError(f"{folder} has a {MARKER} marker but no {PARAMS_DIR}/ folder (orbax checkpoint).")
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{folder} has a {MARKER} marker but no config.json.")
+    hf_config = _read_json(config_path)
+    family = family_for(hf_config, config_path)
+    cfg = family.config_from_hf(hf_config)
+    dtype = jnp.dtype(dtype if dtype is not None else marker["dtype"])
+    return Model(
+        module=_restore_module(family.model_cls(), cfg, dtype, params_dir),
+        config=cfg,
+        hf_config=hf_config,
+        tokenizer=_load_tokenizer(folder),
+        generation_config=_read_json(os.path.join(folder, "generation_config.json")),
+        source=folder,
+    )
+
+
+def _restore_module(model_cls, cfg, dtype, params_dir: str) -> nnx.Module:
+    """Read the params straight into the shapes and declared dtypes of an abstract module (no random init)."""
+    import orbax.checkpoint as ocp
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype)))
+    with ocp.StandardCheckpointer() as checkpointer:
+        params = checkpointer.restore(os.path.abspath(params_dir), nnx.to_pure_dict(state))
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def save(model: Model, out: str, *, source: str | None = None, force: bool = False) -> str:
+    """Write `model` as a conversion folder at `out`, atomically; return `out`.
+
+    An existing `out` is an error unless `force`, and even then only an earlier conversion (a folder with the
+    marker) is replaced, so a mistyped OUT cannot delete an unrelated folder. `source` is recorded in the marker
+    (default: `model.source`).
+    """
+    out = os.path.abspath(os.fspath(out))
+    check_replaceable(out, force)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = f"{out}.tmp-{secrets.token_hex(6)}"
+    os.mkdir(tmp)
+    try:
+        write_folder(model, tmp, source if source is not None else model.source)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def check_replaceable(out: str, force: bool) -> None:
+    """Refuse to write `out` over anything but, with `force`, an earlier conversion; callers check before converting."""
+    out = os.path.abspath(os.fspath(out))
+    if not os.path.lexists(out):
+        return
+    if not force:
+        raise FileExistsError(f"{out} already exists; pass --force (force=True) to replace an earlier conversion.")
+    if not is_converted(out):
+        raise FileExistsError(f"{out} exists and is not a jaxspec conversion (no {MARKER}); refusing to replace it.")
+
+
+def write_folder(model: Model, folder: str, source: str) -> None:
+    """Everything a conversion folder holds, the marker last: a folder without the marker is incomplete."""
+    _write_json(os.path.join(folder, "config.json"), model.hf_config)
+    if model.generation_config:
+        _write_json(os.path.join(folder, "generation_config.json"), model.generation_config)
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(folder)
+    write_params(model.module, os.path.join(folder, PARAMS_DIR))
+    _write_json(os.path.join(folder, MARKER), marker_for(model, source))
+
+
+def write_params(module: nnx.Module, params_dir: str) -> None:
+    """The module's params as an orbax checkpoint of their pure dict (the layout `_restore_module` reads)."""
+    import orbax.checkpoint as ocp
+
+    _, state = nnx.split(module)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(os.path.abspath(params_dir), nnx.to_pure_dict(state))
+
+
+def marker_for(model: Model, source: str) -> dict[str, Any]:
+    """What `restore` and the cache check read; the format version guards the folder's layout."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "dtype": jnp.dtype(model.dtype).name,
+        "source": source,
+        "jaxspec_version": jaxspec_version(),
+    }
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+
+
+def _publish(tmp: str, out: str) -> None:
+    """Rename the finished `tmp` to `out`; an old `out` is moved aside first and deleted only once `tmp` is in place.
+
+    Renaming a folder onto an existing non-empty one fails, so a conversion published meanwhile by another
+    process is reported as FileExistsError rather than overwritten.
+    """
+    old = None
+    if os.path.lexists(out):
+        old = f"{out}.old-{secrets.token_hex(6)}"
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException as error:
+        if old is not None:
+            os.rename(old, out)
+        elif isinstance(error, OSError) and os.path.lexists(out):
+            raise FileExistsError(f"{out} appeared while converting; left it as it is.") from error
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def cached_folder(name: str, dtype: Any) -> str:
+    """Where the conversion of catalogue model `name` at `dtype` is cached."""
+    return os.path.join(catalog.cache_root(), "converted", f"{name}-{jnp.dtype(dtype).name}")
+
+
+def catalog_source(name: str) -> str:
+    """The marker's `source` for a catalogue model: its name and pinned sha256, so a changed entry reconverts."""
+    return f"catalog:{name}@sha256:{catalog.get_entry(name).sha256}"
+
+
+def load_cached(name: str, dtype: Any, progress: bool = False) -> Model:
+    """Catalogue model `name` at `dtype`: restored from the conversion cache, else converted and cached."""
+    folder = cached_folder(name, dtype)
+    source = catalog_source(name)
+    if _is_current(folder, source):
+        return restore(folder)
+    model = loading.convert(name, dtype, progress)
+    if progress:
+        print(f"caching the conversion in {folder}", flush=True)
+    try:
+        save(model, folder, source=source, force=is_converted(folder))
+    except OSError as error:  # the cache only saves time: a full or read-only disk must not fail the load
+        if not _is_current(folder, source):  # else another process cached the same conversion first
+            warnings.warn(f"could not cache the conversion of {name} in {folder}: {error}", stacklevel=3)
+    return model
+
+
+def _is_current(folder: str, source: str) -> bool:
+    """Whether a cached conversion was written by this format and jaxspec version from this exact source."""
+    try:
+        marker = read_marker(folder)
+    except (OSError, ValueError):
+        return False
+    return marker.get("source") == source and marker.get("jaxspec_version") == jaxspec_version()
