@@ -5,4 +5,4 @@ from .loading import Model, load
 
 __all__ = ["GenerateOutput", "Model", "STRATEGIES", "generate", "load"]
 
-STRATEGIES = ("greedy", "sample")
+STRATEGIES = ("greedy", "sample", "speculative", "prompt_lookup", "early_exit", "mtp")

@@ -9,9 +9,9 @@ its position) and padded to a length bucket, so a new prompt length in the same 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
-import os
 import time
 from typing import Any, Sequence
 
@@ -244,7 +244,8 @@ def run_drafter(
     return _unpack(final, input_ids, prompts, prompt_lengths, pad_id, compile_seconds, decode_seconds, strategy_name)
 
 
-_compiled: dict[Any, Any] = {}
+MAX_COMPILED_LOOPS = 32  # a long session (a notebook, a test run) should not keep every executable alive
+_compiled: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
 
 def _compile(spec: LoopSpec, args):
@@ -253,6 +254,9 @@ def _compile(spec: LoopSpec, args):
     key = (spec, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
     if key not in _compiled:
         _compiled[key] = jax.jit(functools.partial(_decode, spec)).lower(*args).compile()
+        while len(_compiled) > MAX_COMPILED_LOOPS:
+            _compiled.popitem(last=False)
+    _compiled.move_to_end(key)
     return _compiled[key]
 
 

@@ -51,7 +51,7 @@ def load(path: str, dtype: Any = None, progress: bool = False) -> Model:
 
     Every tensor is used or explicitly ignored; a missing, extra or mis-shaped tensor raises an error naming it.
     A catalogue name is converted once and then restored from the conversion cache; a conversion folder is
-    restored (at its own dtype unless `dtype` is given) without converting. Torch is never imported.
+    restored (at its own dtype unless `dtype` is given) without converting. jaxspec never needs torch.
     """
     path = os.fspath(path)
     from . import catalog, checkpoint

@@ -69,6 +69,11 @@ RANDOM_MODELS = {
                         num_key_value_heads=2),
 }
 TARGET_SEED, ASSISTANT_SEED = 0, 1
+# `random-500m-prefix`: random-500m whose layers past the first PREFIX_LAYERS add nothing (zero output and down
+# projections), with those first layers (and the shared embedding, norm and head) as its assistant. The assistant
+# then predicts exactly what the target predicts at a fraction of its cost: every draft is accepted and the
+# target still reads all its weights per forward. This isolates the loop's own overhead at full acceptance.
+PREFIX_LAYERS = 2
 
 # Catalogue targets with an installed same-tokenizer assistant (speculative decoding needs the same vocabulary).
 CATALOG_ASSISTANTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
@@ -277,6 +282,10 @@ def weight_bytes_per_token(module) -> tuple[int, int]:
 
 def resolve_source(name: str, workdir: str) -> ModelSource:
     """Catalogue name -> its GGUF (and assistant's); random name -> target and assistant saved into `workdir`."""
+    if name.endswith("-prefix") and name.removesuffix("-prefix") in RANDOM_MODELS:
+        overrides = RANDOM_MODELS[name.removesuffix("-prefix")]
+        target, assistant = save_prefix_pair(os.path.join(workdir, name), TARGET_SEED, overrides)
+        return ModelSource(name, "random", target, assistant, overrides["num_hidden_layers"])
     if name in RANDOM_MODELS:
         overrides = RANDOM_MODELS[name]
         target = save_random_llama(os.path.join(workdir, name), TARGET_SEED, overrides)
@@ -305,6 +314,28 @@ def save_random_llama(folder: str, seed: int, overrides: dict[str, Any]) -> str:
     del model
     gc.collect()
     return folder
+
+
+def save_prefix_pair(folder: str, seed: int, overrides: dict[str, Any]) -> tuple[str, str]:
+    """A target whose layers past PREFIX_LAYERS are inert, and its first PREFIX_LAYERS as an exact assistant."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    target = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(RANDOM_COMMON | overrides))).eval()
+    with torch.no_grad():
+        for layer in target.model.layers[PREFIX_LAYERS:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    target.save_pretrained(folder)
+    assistant = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**(RANDOM_COMMON | overrides | {"num_hidden_layers": PREFIX_LAYERS}))).eval()
+    missing = assistant.load_state_dict(target.state_dict(), strict=False).missing_keys
+    assert not missing, missing  # every assistant tensor is the target's
+    assistant.save_pretrained(folder + "-assistant")
+    del target, assistant
+    gc.collect()
+    return folder, folder + "-assistant"
 
 
 def prompt_tokenizer(source: ModelSource, jaxspec_model):
@@ -753,7 +784,7 @@ def contention_note(cores_used_by_others: float | None) -> str | None:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2-135m,random-500m",
-                        help=f"catalogue names and/or {', '.join(RANDOM_MODELS)}")
+                        help=f"catalogue names and/or {', '.join(RANDOM_MODELS)} (add -prefix for an exact cheap assistant)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=", ".join(STRATEGIES))
     parser.add_argument("--prompts", default=",".join(PROMPTS), help=", ".join(PROMPTS))
     parser.add_argument("--max-new-tokens", type=int, default=64)

@@ -3,6 +3,7 @@
     python scripts/generate.py --prompt "Write a haiku about JAX" --max-new-tokens 64
     python scripts/generate.py --model qwen2.5-coder-1.5b --strategy speculative --assistant qwen2.5-coder-0.5b
     python scripts/generate.py --model PATH --strategy prompt_lookup --prompt-lookup-num-tokens 10 --json
+    python scripts/generate.py --model DEEPSEEK_OR_GLM_FOLDER --strategy mtp
 
 --model takes an HF checkpoint folder, a .gguf file, or a catalogue name (offline default: smollm2-135m).
 Compiled loops are kept in JAX's persistent compilation cache ($JAXSPEC_COMPILATION_CACHE, default
@@ -18,7 +19,7 @@ import sys
 import time
 
 DEFAULT_MODEL = "smollm2-135m"
-STRATEGY_CHOICES = ("greedy", "sample", "speculative", "prompt_lookup", "early_exit")
+STRATEGY_CHOICES = ("greedy", "sample", "speculative", "prompt_lookup", "early_exit", "mtp")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,6 +75,9 @@ def strategy_kwargs(args) -> dict:
     if args.strategy == "prompt_lookup":
         return dict(prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                     max_matching_ngram_size=args.max_matching_ngram_size)
+    if args.strategy == "mtp":
+        return dict(use_mtp=True, num_assistant_tokens=args.num_assistant_tokens,
+                    assistant_ensemble_weight=args.assistant_ensemble_weight)
     if args.strategy == "early_exit":
         return dict(assistant_early_exit=args.exit_layer, num_assistant_tokens=args.num_assistant_tokens,
                     num_assistant_tokens_schedule=args.num_assistant_tokens_schedule,

@@ -22,3 +22,17 @@ def tiny_llama_dir(tmp_path_factory):
 def tiny_llama_draft_dir(tmp_path_factory):
     """A smaller, differently seeded Llama with the same vocabulary: a weak assistant."""
     return hf_models.save_tiny("llama", tmp_path_factory.mktemp("llama_draft"), seed=1, num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs():
+    """Each test module compiles its own loops; dropping them afterwards keeps one long test process lean."""
+    yield
+    import sys
+
+    import jax
+
+    loop_module = sys.modules.get("jaxspec.generate")  # the module, not the function jaxspec.generate
+    if loop_module is not None:
+        loop_module._compiled.clear()
+    jax.clear_caches()
