@@ -93,24 +93,27 @@ def test_drafts_after_any_accepted_count_equal_the_from_scratch_chain(checkpoint
         rng=jax.random.key(0), counters=Counters.zeros(1, layers),
     )
     state = drafter.init(ctx, Prefill(hidden=hidden, state=loop))
+    draft_fn = jax.jit(lambda loop, state, key: drafter.draft(ctx, loop, state, key)[:2])
+    update_fn = jax.jit(lambda state, result: drafter.update(ctx, state, result))
+    target_fn = jax.jit(target.__call__)
     corrections = np.random.RandomState(0).randint(3, 128, 64)
-    for round_index in range(3 * (layers + 1)):
+    for round_index in range(2 * (layers + 1)):
         accepted = round_index % (layers + 1)
         length = int(loop.lengths[0])
-        draft, state, _, _ = drafter.draft(ctx, loop, state, jax.random.key(round_index))
+        draft, state = draft_fn(loop, state, jax.random.key(round_index))
         expected = np.argmax(np.asarray(mtp_chain_from_scratch(target, jnp.asarray(tokens[:, :length]))), -1)
         np.testing.assert_array_equal(np.asarray(draft.tokens), expected)
         # Verify by hand: the target reads [last, d_1..d_K]; commit `accepted` drafts and a correction token.
         block = np.concatenate([tokens[:, length - 1: length], np.asarray(draft.tokens)], axis=1)
         block_positions = jnp.asarray(length - 1 + np.arange(layers + 1))[None]
-        _, block_hidden, cache = target(jnp.asarray(block), block_positions, loop.cache)
+        _, block_hidden, cache = target_fn(jnp.asarray(block), block_positions, loop.cache)
         tokens[0, length: length + accepted] = np.asarray(draft.tokens)[0, :accepted]
         tokens[0, length + accepted] = corrections[round_index]
         new_length = length + accepted + 1
         result = RoundResult(drafted=jnp.array([layers]), accepted=jnp.array([accepted]),
                              committed=jnp.array([accepted + 1]), tokens=jnp.asarray(block),
                              hidden=block_hidden, lengths=jnp.array([new_length]))
-        state = drafter.update(ctx, state, result)
+        state = update_fn(state, result)
         loop = dataclasses.replace(loop, tokens=jnp.asarray(tokens), lengths=jnp.array([new_length]), cache=cache)
 
 

@@ -81,6 +81,7 @@ class Prefill:
     state: DecodeState
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RoundResult:
     """One verified round, per row: what was accepted and committed, and the target's view of it."""
