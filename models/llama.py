@@ -190,17 +190,18 @@ class LlamaForCausalLM(nnx.Module):
         """Run decoder layers [start, stop) on x: [B, T, D], writing their cache entries at `positions`."""
         stop = self.cfg.num_layers if stop is None else stop
         names = [n for n in PARAM_AXES if PARAM_AXES[n][0] == "layers" and hasattr(self, n)]
-        stacked = {n: getattr(self, n)[...][start:stop] for n in names}
+        # Index the full stacks inside the scan rather than slicing [start:stop] first: a slice of a partial range
+        # would copy those layers' weights on every call (the early-exit drafter calls this once per draft).
+        stacked = {n: getattr(self, n)[...] for n in names}
         inv_freq = self.cfg.inv_freq()
 
-        def layer(carry, xs):
+        def layer(carry, index):
             x, k_cache, v_cache = carry
-            index, p = xs
+            p = {n: jax.lax.dynamic_index_in_dim(w, index, keepdims=False) for n, w in stacked.items()}
             x, k_cache, v_cache = _decoder_layer(self.cfg, p, x, positions, k_cache, v_cache, index, inv_freq)
             return (x, k_cache, v_cache), None
 
-        indices = jnp.arange(start, stop)
-        (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (indices, stacked))
+        (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), jnp.arange(start, stop))
         return x, KVCache(k=k, v=v)
 
     def final_hidden(self, x: jax.Array) -> jax.Array:

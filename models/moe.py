@@ -464,15 +464,18 @@ class MoeCausalLM(nnx.Module):
         offset = self.cfg.moe.first_dense_layers if moe else 0
         attn_names = [*self.attention_shapes(), "attn_norm", "mlp_norm"]
         ffn_names = [n for n in (MOE_FFN if moe else DENSE_FFN) if hasattr(self, n)]
-        stacked = {n: getattr(self, n)[...][start:stop] for n in attn_names}
-        stacked |= {n: getattr(self, n)[...][start - offset : stop - offset] for n in ffn_names}
+        # Index the full stacks inside the scan instead of slicing [start:stop] first: a slice would copy those
+        # layers' weights on every call (see LlamaForCausalLM.run_layers).
+        attn = {n: getattr(self, n)[...] for n in attn_names}
+        ffn = {n: getattr(self, n)[...] for n in ffn_names}
 
-        def layer(carry, xs):
+        def layer(carry, index):
             x, cache = carry
-            index, p = xs
+            p = {n: jax.lax.dynamic_index_in_dim(w, index, keepdims=False) for n, w in attn.items()}
+            p |= {n: jax.lax.dynamic_index_in_dim(w, index - offset, keepdims=False) for n, w in ffn.items()}
             return self._block(p, x, positions, cache, index, 0, moe), None
 
-        (x, cache), _ = jax.lax.scan(layer, (x, cache), (jnp.arange(start, stop), stacked))
+        (x, cache), _ = jax.lax.scan(layer, (x, cache), jnp.arange(start, stop))
         return x, cache
 
     def _block(self, p, x, positions, cache, index, first, moe: bool):

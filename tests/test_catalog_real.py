@@ -92,3 +92,29 @@ def test_smollm2_tokenizer_round_trips(smollm2_path):
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == text
     assert tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def test_greedy_equals_transformers_on_the_real_checkpoint(name, tmp_path, monkeypatch):
+    """Load through the conversion cache (convert, then restore) and decode 32 greedy tokens; transformers,
+    reading the same GGUF, must produce the same tokens."""
+    import torch
+    import transformers
+
+    import jaxspec
+
+    _installed_or_skip(name)
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    path = catalog.resolve(name)
+    first = jaxspec.load(name)  # converts and writes the cache
+    assert os.path.isdir(tmp_path / "converted")
+    restored = jaxspec.load(name)  # restores it
+    prompt = "def fibonacci(n):\n    "
+    ids = restored.tokenizer(prompt)["input_ids"]
+    out = jaxspec.generate(restored, [ids], max_new_tokens=32, eos_token_id=[])
+    del first
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32,
+        quantization_config=transformers.GgufConfig(dequantize=True)).eval()
+    expected = reference.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    np.testing.assert_array_equal(out.sequences[0], expected[0].numpy())
