@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.models.llama import LlamaConfig, param_shapes
+from jaxspec.models.llama import TOP_LEVEL, LlamaConfig, param_shapes
 
 from .rules import Ignore, Rule, TensorSource, convert
 
@@ -48,7 +48,11 @@ def ignores(cfg: LlamaConfig) -> list[Ignore]:
     return out
 
 
-def convert_checkpoint(cfg: LlamaConfig, source: TensorSource, dtype, progress=None) -> dict[str, np.ndarray]:
+def convert_checkpoint(cfg: LlamaConfig, source: TensorSource, dtype, progress=None) -> dict:
+    """-> the module's pure dict: top-level params, and `layers: {i: {param: array}}`."""
     shapes = param_shapes(cfg)
-    stacked = {name for name, shape in shapes.items() if name not in ("embed", "final_norm", "lm_head")}
-    return convert(source, rules(cfg), ignores(cfg), shapes, stacked, dtype, progress=progress)
+    stacked = {name for name in shapes if name not in TOP_LEVEL}
+    params = convert(source, rules(cfg), ignores(cfg), shapes, stacked, dtype, progress=progress)
+    out = {name: params[name] for name in shapes if name in TOP_LEVEL}
+    out["layers"] = {i: {name: params[name][i] for name in stacked} for i in range(cfg.num_layers)}
+    return out

@@ -38,7 +38,7 @@ from . import catalog, loading
 from .loading import Model, _load_tokenizer, _read_json
 from .registry import family_for
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: Llama-family layers stored one array per layer (was stacked)
 MARKER = "jaxspec.json"
 PARAMS_DIR = "params"
 

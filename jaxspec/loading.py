@@ -131,7 +131,7 @@ def build_module(model_cls, cfg, dtype, params: dict[str, np.ndarray]) -> nnx.Mo
     # Each param takes the dtype the module declares: most follow `dtype`, but some must stay float32
     # (e.g. the MoE router's score-correction bias, whose rounding would change expert choices).
     declared = nnx.to_pure_dict(state)
-    pure = {name: jnp.asarray(value, dtype=declared[name].dtype) for name, value in params.items()}
+    pure = jax.tree.map(lambda value, spec: jnp.asarray(value, dtype=spec.dtype), params, declared)
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
 

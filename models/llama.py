@@ -160,10 +160,38 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+TOP_LEVEL = ("embed", "final_norm", "lm_head")
+
+
+def _init_value(name: str, shape: tuple[int, ...], dtype, rngs: nnx.Rngs) -> jax.Array:
+    if "norm" in name:
+        return jnp.ones(shape, dtype)
+    if name.startswith("b"):
+        return jnp.zeros(shape, dtype)
+    return (0.02 * jax.random.normal(rngs.params(), shape)).astype(dtype)
+
+
+class LlamaDecoderLayer(nnx.Module):
+    """One layer's parameters, each its own array (see `LlamaForCausalLM` for why they are not stacked)."""
+
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
+        for name, shape in param_shapes(cfg).items():
+            if name not in TOP_LEVEL:
+                setattr(self, name, nnx.Param(_init_value(name, shape[1:], dtype, rngs),
+                                              logical_axes=PARAM_AXES[name][1:]))
+
+    def params(self) -> dict[str, jax.Array]:
+        return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
 class LlamaForCausalLM(nnx.Module):
     """`model(tokens[B,T], positions[B,T], cache) -> (logits[B,T,V], hidden[B,T,D], cache)`.
 
     `hidden` is the final-normed last hidden state (what an LM head or an MTP layer reads).
+
+    Each layer keeps its own arrays and the layer loop is unrolled. Decoding is memory-bound, and XLA:CPU feeds a
+    matmul from a slice of stacked weights (`lax.scan` over a layer axis) by copying that slice first: measured on
+    a 24-layer stack of 1024x4096 matrices, the scan moved 13-14 GB/s and separate arrays 36 GB/s.
     """
 
     def __init__(self, cfg: LlamaConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs | None = None):
@@ -171,13 +199,9 @@ class LlamaForCausalLM(nnx.Module):
         self.dtype = dtype
         rngs = rngs or nnx.Rngs(0)
         for name, shape in param_shapes(cfg).items():
-            if "norm" in name:
-                value = jnp.ones(shape, dtype)
-            elif name.startswith("b"):
-                value = jnp.zeros(shape, dtype)
-            else:
-                value = (0.02 * jax.random.normal(rngs.params(), shape)).astype(dtype)
-            setattr(self, name, nnx.Param(value, logical_axes=PARAM_AXES[name]))
+            if name in TOP_LEVEL:
+                setattr(self, name, nnx.Param(_init_value(name, shape, dtype, rngs), logical_axes=PARAM_AXES[name]))
+        self.layers = nnx.List([LlamaDecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
 
     # -- pieces, so drafters can run part of the network ---------------------------------------------------------
 
@@ -189,20 +213,12 @@ class LlamaForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:
         """Run decoder layers [start, stop) on x: [B, T, D], writing their cache entries at `positions`."""
         stop = self.cfg.num_layers if stop is None else stop
-        names = [n for n in PARAM_AXES if PARAM_AXES[n][0] == "layers" and hasattr(self, n)]
-        # Index the full stacks inside the scan rather than slicing [start:stop] first: a slice of a partial range
-        # would copy those layers' weights on every call (the early-exit drafter calls this once per draft).
-        stacked = {n: getattr(self, n)[...] for n in names}
         inv_freq = self.cfg.inv_freq()
-
-        def layer(carry, index):
-            x, k_cache, v_cache = carry
-            p = {n: jax.lax.dynamic_index_in_dim(w, index, keepdims=False) for n, w in stacked.items()}
+        k_cache, v_cache = cache.k, cache.v
+        for index in range(start, stop):
+            p = self.layers[index].params()
             x, k_cache, v_cache = _decoder_layer(self.cfg, p, x, positions, k_cache, v_cache, index, inv_freq)
-            return (x, k_cache, v_cache), None
-
-        (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), jnp.arange(start, stop))
-        return x, KVCache(k=k, v=v)
+        return x, KVCache(k=k_cache, v=v_cache)
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
         return L.rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)

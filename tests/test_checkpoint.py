@@ -51,7 +51,9 @@ def converted(hf_dir, tmp_path_factory):
 
 
 def pure_params(model: jaxspec.Model) -> dict[str, jax.Array]:
-    return nnx.to_pure_dict(nnx.split(model.module)[1])
+    """Every param by its path, e.g. "layers/0/wq"."""
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.split(model.module)[1]))
+    return {"/".join(str(getattr(k, "key", k)) for k in path): leaf for path, leaf in leaves}
 
 
 def assert_identical_params(got: jaxspec.Model, expected: jaxspec.Model) -> None:
