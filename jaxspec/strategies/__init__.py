@@ -52,7 +52,7 @@ def choose_strategy(
     if not chosen:
         if assistant_ensemble_weight is not None:
             raise ValueError("assistant_ensemble_weight needs a drafter that produces draft distributions "
-                             "(assistant_model or assistant_early_exit).")
+                             "(assistant_model, assistant_early_exit or use_mtp).")
         return StrategyChoice("sample" if do_sample else "greedy", Drafter())
 
     if prompt_lookup_num_tokens is not None:
