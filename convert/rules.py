@@ -94,18 +94,25 @@ def convert(
             out[rule.param][layer] = value
         filled.add(slot)
     missing = _missing_tensors(param_shapes, stacked, filled, [r for _, r in rules], layer_offset)
+    _raise_on_mismatch(missing=missing, unknown=unknown, duplicate=duplicate, bad_shape=bad_shape)
+    return out
+
+
+def _raise_on_mismatch(*, missing, unknown, duplicate, bad_shape, ambiguous=()) -> None:
+    """One error that names every problem at once."""
     problems = []
     if missing:
         problems.append(f"missing tensors for {missing}")
     if unknown:
         problems.append(f"unexpected tensors (no rule uses them): {unknown}")
+    if ambiguous:
+        problems.append(f"tensors that several rules claim (a rules bug): {ambiguous}")
     if duplicate:
         problems.append(f"tensors that fill an already-filled parameter: {duplicate}")
     if bad_shape:
         problems.append(f"mis-shaped tensors: {bad_shape}")
     if problems:
         raise CheckpointMismatch("Checkpoint does not match its config: " + "; ".join(problems))
-    return out
 
 
 def _missing_tensors(param_shapes, stacked, filled, rules: list[Rule], layer_offset) -> list[str]:
@@ -223,19 +230,7 @@ def convert_indexed(
         out[rule.param][index] = value
         filled.add((rule.param, index))
     missing = _missing_indexed(param_shapes, filled, [r for _, r in rules])
-    problems = []
-    if missing:
-        problems.append(f"missing tensors for {missing}")
-    if unknown:
-        problems.append(f"unexpected tensors (no rule uses them): {unknown}")
-    if ambiguous:
-        problems.append(f"tensors that several rules claim (a rules bug): {ambiguous}")
-    if duplicate:
-        problems.append(f"tensors that fill an already-filled parameter: {duplicate}")
-    if bad_shape:
-        problems.append(f"mis-shaped tensors: {bad_shape}")
-    if problems:
-        raise CheckpointMismatch("Checkpoint does not match its config: " + "; ".join(problems))
+    _raise_on_mismatch(missing=missing, unknown=unknown, duplicate=duplicate, bad_shape=bad_shape, ambiguous=ambiguous)
     return out
 
 
