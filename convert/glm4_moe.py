@@ -13,25 +13,19 @@ import numpy as np
 from jaxspec.models.glm4_moe import Glm4MoeConfig, param_shapes
 
 from .deepseek_v3 import convert_moe_family, moe_family_ignores, moe_family_rules
-from .rules import TensorSource
+from .rules import TensorSource, split_head_bias, split_heads
 
 
 def attention_rules(cfg: Glm4MoeConfig) -> list[tuple[str, str, Callable]]:
     d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
-    def heads_in(n):  # HF [n*Dh, D] -> [D, n, Dh]
-        return lambda w: w.T.reshape(d, n, dh)
-
-    def heads_bias(n):  # HF [n*Dh] -> [n, Dh]
-        return lambda b: b.reshape(n, dh)
-
     return [
-        (r"self_attn\.q_proj\.weight", "wq", heads_in(h)),
-        (r"self_attn\.k_proj\.weight", "wk", heads_in(k)),
-        (r"self_attn\.v_proj\.weight", "wv", heads_in(k)),
-        (r"self_attn\.q_proj\.bias", "bq", heads_bias(h)),
-        (r"self_attn\.k_proj\.bias", "bk", heads_bias(k)),
-        (r"self_attn\.v_proj\.bias", "bv", heads_bias(k)),
+        (r"self_attn\.q_proj\.weight", "wq", split_heads(d, h, dh)),
+        (r"self_attn\.k_proj\.weight", "wk", split_heads(d, k, dh)),
+        (r"self_attn\.v_proj\.weight", "wv", split_heads(d, k, dh)),
+        (r"self_attn\.q_proj\.bias", "bq", split_head_bias(h, dh)),
+        (r"self_attn\.k_proj\.bias", "bk", split_head_bias(k, dh)),
+        (r"self_attn\.v_proj\.bias", "bv", split_head_bias(k, dh)),
         (r"self_attn\.q_norm\.weight", "q_norm", None),
         (r"self_attn\.k_norm\.weight", "k_norm", None),
         (r"self_attn\.o_proj\.weight", "wo", lambda w: w.T.reshape(h, dh, d)),

@@ -6,7 +6,7 @@ import numpy as np
 
 from jaxspec.models.llama import TOP_LEVEL, LlamaConfig, param_shapes
 
-from .rules import Ignore, Rule, TensorSource, convert
+from .rules import Ignore, Rule, TensorSource, convert, split_head_bias, split_heads
 
 LAYER = r"model\.layers\.(\d+)\."
 
@@ -14,21 +14,15 @@ LAYER = r"model\.layers\.(\d+)\."
 def rules(cfg: LlamaConfig) -> list[Rule]:
     d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
-    def heads_in(n):  # HF [n*Dh, D] -> [D, n, Dh]
-        return lambda w: w.T.reshape(d, n, dh)
-
-    def heads_bias(n):  # HF [n*Dh] -> [n, Dh]
-        return lambda b: b.reshape(n, dh)
-
     return [
         Rule(r"model\.embed_tokens\.weight", "embed"),
         Rule(LAYER + r"input_layernorm\.weight", "attn_norm"),
-        Rule(LAYER + r"self_attn\.q_proj\.weight", "wq", heads_in(h)),
-        Rule(LAYER + r"self_attn\.k_proj\.weight", "wk", heads_in(k)),
-        Rule(LAYER + r"self_attn\.v_proj\.weight", "wv", heads_in(k)),
-        Rule(LAYER + r"self_attn\.q_proj\.bias", "bq", heads_bias(h)),
-        Rule(LAYER + r"self_attn\.k_proj\.bias", "bk", heads_bias(k)),
-        Rule(LAYER + r"self_attn\.v_proj\.bias", "bv", heads_bias(k)),
+        Rule(LAYER + r"self_attn\.q_proj\.weight", "wq", split_heads(d, h, dh)),
+        Rule(LAYER + r"self_attn\.k_proj\.weight", "wk", split_heads(d, k, dh)),
+        Rule(LAYER + r"self_attn\.v_proj\.weight", "wv", split_heads(d, k, dh)),
+        Rule(LAYER + r"self_attn\.q_proj\.bias", "bq", split_head_bias(h, dh)),
+        Rule(LAYER + r"self_attn\.k_proj\.bias", "bk", split_head_bias(k, dh)),
+        Rule(LAYER + r"self_attn\.v_proj\.bias", "bv", split_head_bias(k, dh)),
         Rule(LAYER + r"self_attn\.o_proj\.weight", "wo", lambda w: w.T.reshape(h, dh, d)),
         Rule(LAYER + r"self_attn\.o_proj\.bias", "bo"),
         Rule(LAYER + r"post_attention_layernorm\.weight", "mlp_norm"),

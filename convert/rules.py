@@ -31,6 +31,16 @@ class Rule:
     transform: Callable[[np.ndarray], np.ndarray] = lambda w: w
 
 
+def split_heads(width: int, heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
+    """HF projection weight [heads*Dh, D] -> [D, heads, Dh]."""
+    return lambda w: w.T.reshape(width, heads, head_dim)
+
+
+def split_head_bias(heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
+    """HF projection bias [heads*Dh] -> [heads, Dh]."""
+    return lambda b: b.reshape(heads, head_dim)
+
+
 @dataclasses.dataclass(frozen=True)
 class Ignore:
     pattern: str

@@ -96,7 +96,7 @@ class DeepseekV3Config:
         if hf.get("num_key_value_heads", num_heads) not in (None, num_heads):
             # MLA expands one latent into every head; HF's attention breaks for any other value.
             raise NotImplementedError(f"num_key_value_heads must equal num_attention_heads={num_heads} for MLA.")
-        rope = moe.rope_parameters(hf)
+        rope = L.rope_parameters(hf)
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise NotImplementedError("partial_rotary_factor is not supported for DeepSeek-V3 (rope has its own dims).")
         qk_nope, qk_rope = get("qk_nope_head_dim"), get("qk_rope_head_dim")

@@ -70,7 +70,7 @@ class Glm4MoeConfig:
             raise ValueError(f"Glm4MoeConfig cannot read model_type={hf.get('model_type')!r}.")
         num_heads = hf.get("num_attention_heads", HF_DEFAULTS["num_attention_heads"])
         head_dim = hf.get("head_dim") or hf.get("hidden_size", HF_DEFAULTS["hidden_size"]) // num_heads
-        rope = moe.rope_parameters(hf)
+        rope = L.rope_parameters(hf)
         rope.setdefault("partial_rotary_factor", HF_DEFAULTS["partial_rotary_factor"])  # HF's backward-compat default
         return cls(
             model_type="glm4_moe",

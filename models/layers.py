@@ -8,6 +8,7 @@ Dimension letters: B batch, T query length, S cache length, D model width, H que
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Rotary position embeddings
+
+
+def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 writes `rope_parameters`; older checkpoints write `rope_theta` and `rope_scaling`."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    if "partial_rotary_factor" in hf:
+        rope.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+    return rope
 
 
 def default_inv_freq(head_dim: int, theta: float, rotary_dim: int | None = None) -> jax.Array:

@@ -56,7 +56,7 @@ class LlamaConfig:
             raise NotImplementedError("mlp_bias=True is not supported yet for Llama checkpoints.")
         if model_type == "qwen2" and hf.get("use_sliding_window"):
             raise NotImplementedError("Qwen2 with use_sliding_window=True is not supported yet.")
-        rope = _rope_parameters(hf)
+        rope = L.rope_parameters(hf)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise NotImplementedError(f"rope type {rope_type!r} is not supported yet; supported: {SUPPORTED_ROPE_TYPES}.")
@@ -99,16 +99,6 @@ class LlamaConfig:
         if self.rope_llama3 is not None:
             return L.llama3_inv_freq(self.head_dim, self.rope_theta, *self.rope_llama3)
         return L.default_inv_freq(self.head_dim, self.rope_theta)
-
-
-def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5 writes `rope_parameters`; older checkpoints write `rope_theta` and `rope_scaling`."""
-    if hf.get("rope_parameters"):
-        return dict(hf["rope_parameters"])
-    rope = dict(hf.get("rope_scaling") or {})
-    if "rope_theta" in hf:
-        rope["rope_theta"] = hf["rope_theta"]
-    return rope
 
 
 # Logical axes of every parameter; the sharding rules map them to mesh axes.

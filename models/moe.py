@@ -113,16 +113,6 @@ class RopeConfig:
         return L.yarn_get_mscale(self.yarn[0], self.mscale_all_dim) ** 2
 
 
-def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5 writes `rope_parameters`; older checkpoints write `rope_theta` and `rope_scaling`."""
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-    rope.setdefault("rope_type", rope.get("type", "default"))
-    if "partial_rotary_factor" in hf:
-        rope.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
-    return rope
-
-
 def rope_from_hf(hf: dict[str, Any], rope: dict[str, Any], head_dim: int) -> RopeConfig:
     """`rope` is `rope_parameters(hf)` with the family's defaults filled in; `head_dim` is the dim rope applies to
     before `partial_rotary_factor`."""
