@@ -77,10 +77,10 @@ class GGUFCheckpoint:
         return weights
 
     def load_tokenizer(self) -> Any:
-        """The tokenizer embedded in the GGUF metadata, built by transformers (slow for 150k-token vocabularies)."""
-        from transformers import AutoTokenizer
+        """The tokenizer embedded in the GGUF metadata, built without torch (see `jaxspec.tokenizer`)."""
+        from jaxspec.tokenizer import tokenizer_from_gguf
 
-        return AutoTokenizer.from_pretrained(os.path.dirname(self.path), gguf_file=os.path.basename(self.path))
+        return tokenizer_from_gguf(self._reader)
 
 
 def read_gguf(path: str) -> GGUFCheckpoint:

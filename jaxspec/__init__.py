@@ -1,8 +1,7 @@
 """jaxspec: assisted (speculative) decoding for JAX/Flax language models, in one jit-compiled loop."""
 
 from .generate import GenerateOutput, generate
-from .loading import Model, load
+from .api import load
+from .loading import Model
 
-__all__ = ["GenerateOutput", "Model", "STRATEGIES", "generate", "load"]
-
-STRATEGIES = ("greedy", "sample", "speculative", "prompt_lookup", "early_exit", "mtp")
+__all__ = ["GenerateOutput", "Model", "generate", "load"]

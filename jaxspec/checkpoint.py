@@ -35,8 +35,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import catalog, loading
-from .loading import Model, _load_tokenizer, _read_json
+from .loading import Model, _read_json
 from .registry import family_for
+from .tokenizer import load_tokenizer
 
 FORMAT_VERSION = 2  # 2: Llama-family layers stored one array per layer (was stacked)
 MARKER = "jaxspec.json"
@@ -96,7 +97,7 @@ def restore(folder: str, dtype: Any = None) -> Model:
         module=_restore_module(family.model_cls(), cfg, dtype, params_dir),
         config=cfg,
         hf_config=hf_config,
-        tokenizer=_load_tokenizer(folder),
+        tokenizer=load_tokenizer(folder),
         generation_config=_read_json(os.path.join(folder, "generation_config.json")),
         source=folder,
     )

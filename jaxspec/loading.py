@@ -1,4 +1,7 @@
-"""`jaxspec.load`: an HF checkpoint folder or a GGUF file -> a `Model` handle (Flax module, config, tokenizer)."""
+"""Converting a source checkpoint (an HF folder, a GGUF file, a catalogue name) into a `Model` handle.
+
+`jaxspec.load` (jaxspec/api.py) picks between converting here and restoring a saved conversion (jaxspec/checkpoint.py).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +16,7 @@ import numpy as np
 from flax import nnx
 
 from .registry import family_for
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+from .tokenizer import load_tokenizer
 
 
 @dataclasses.dataclass
@@ -45,32 +47,11 @@ def default_dtype() -> jnp.dtype:
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def load(path: str, dtype: Any = None, progress: bool = False) -> Model:
-    """Load an HF folder (config.json + model.safetensors or a sharded index), a `.gguf` file, a catalogue name or
-    a conversion folder written by `scripts/convert.py` (see `jaxspec.checkpoint`).
-
-    Every tensor is used or explicitly ignored; a missing, extra or mis-shaped tensor raises an error naming it.
-    A catalogue name is converted once and then restored from the conversion cache; a conversion folder is
-    restored (at its own dtype unless `dtype` is given) without converting. jaxspec never needs torch.
-    """
-    path = os.fspath(path)
-    from . import catalog, checkpoint
-
-    if catalog.is_catalog_name(path):
-        return checkpoint.load_cached(path, _dtype_or_default(dtype), progress)
-    if checkpoint.is_converted(path):
-        return checkpoint.restore(path, dtype)
-    return convert(path, _dtype_or_default(dtype), progress)
-
-
-def _dtype_or_default(dtype: Any) -> jnp.dtype:
-    return jnp.dtype(dtype) if dtype is not None else default_dtype()
-
-
 def convert(path: str, dtype: Any, progress: bool = False) -> Model:
     """Convert a source checkpoint (HF folder, `.gguf` file, catalogue name, hub id) into a `Model`.
 
-    The conversion cache is neither read nor written here: `scripts/convert.py` and the cache itself call this.
+    The conversion cache is neither read nor written here: `jaxspec.load`, `scripts/convert.py` and the cache call
+    this.
     """
     from . import catalog
 
@@ -99,7 +80,7 @@ def convert(path: str, dtype: Any, progress: bool = False) -> Model:
         module=module,
         config=cfg,
         hf_config=hf_config,
-        tokenizer=_load_tokenizer(path),
+        tokenizer=load_tokenizer(path),
         generation_config=_read_json(os.path.join(path, "generation_config.json")),
         source=path,
     )
@@ -149,9 +130,15 @@ def _load_gguf(path: str, dtype, progress: bool) -> Model:
         config=cfg,
         hf_config=ckpt.hf_config,
         tokenizer=ckpt.load_tokenizer(),
-        generation_config={},
+        generation_config=_generation_config_from(ckpt.hf_config),
         source=path,
     )
+
+
+def _generation_config_from(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """What HF's `GenerationConfig.from_model_config` keeps of a config: its special token ids."""
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {key: hf_config[key] for key in keys if hf_config.get(key) is not None}
 
 
 class _GGUFSource:
@@ -163,14 +150,6 @@ class _GGUFSource:
 
     def read(self, name: str) -> np.ndarray:
         return self._ckpt.read_tensor(name)
-
-
-def _load_tokenizer(folder: str):
-    if not any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
 
 
 def _read_json(path: str) -> dict[str, Any]:

@@ -1,0 +1,35 @@
+"""`jaxspec.load`: one entry point for every kind of checkpoint a user has."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax.numpy as jnp
+
+from . import catalog, checkpoint
+from .loading import Model, convert, default_dtype
+
+
+def load(path: str, dtype: Any = None, progress: bool = False, *, mesh=None, sharding_rules=None) -> Model:
+    """Load an HF folder (config.json + model.safetensors or a sharded index), a `.gguf` file, a catalogue name or
+    a conversion folder written by `scripts/convert.py` (see `jaxspec.checkpoint`).
+
+    Every tensor is used or explicitly ignored; a missing, extra or mis-shaped tensor raises an error naming it.
+    A catalogue name is converted once and then restored from the conversion cache; a conversion folder is
+    restored (at its own dtype unless `dtype` is given) without converting. jaxspec never needs torch.
+
+    With a `mesh` (which may span processes: see `jaxspec.distributed`), every param is created sharded on it by its
+    logical axes (`sharding_rules`, default `jaxspec.sharding.ShardingRules()`), each process reading only the slices
+    its own devices hold; pass the same mesh to `generate`. MoE layers then run expert-parallel.
+    """
+    path = os.fspath(path)
+    if catalog.is_catalog_name(path):
+        return checkpoint.load_cached(path, _dtype_or_default(dtype), progress, mesh=mesh, sharding_rules=sharding_rules)
+    if checkpoint.is_converted(path):
+        return checkpoint.restore(path, dtype, mesh=mesh, sharding_rules=sharding_rules)
+    return convert(path, _dtype_or_default(dtype), progress, mesh=mesh, sharding_rules=sharding_rules)
+
+
+def _dtype_or_default(dtype: Any) -> jnp.dtype:
+    return jnp.dtype(dtype) if dtype is not None else default_dtype()

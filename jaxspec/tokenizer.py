@@ -1,0 +1,85 @@
+"""Tokenizers without torch: from a folder's tokenizer files, or from a GGUF file's metadata.
+
+transformers builds a GGUF tokenizer with `AutoTokenizer.from_pretrained(dir, gguf_file=...)`, but its GGUF reader
+imports torch, which jaxspec never needs at run time. The part that turns the vocabulary into a fast tokenizer
+(`transformers.integrations.gguf.convert_gguf_tokenizer`) needs no torch, so here gguf-py reads the metadata into
+the same dictionaries transformers' reader would produce, and that converter builds the tokenizer. The result
+encodes exactly as transformers' own GGUF tokenizer does (tests/test_tokenizer.py compares them).
+
+A conversion folder stores the tokenizer it was built with (tokenizer.json, tokenizer_config.json with the chat
+template), so restoring a conversion parses no GGUF.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# GGUF metadata key (after "tokenizer.") -> the name transformers' GGUF tokenizer converter reads.
+_TOKENIZER_FIELDS = {
+    "ggml.model": "tokenizer_type",
+    "ggml.pre": "pre_tokenizer_type",
+    "ggml.tokens": "tokens",
+    "ggml.scores": "scores",
+    "ggml.token_type": "token_type",
+    "ggml.merges": "merges",
+    "ggml.precompiled_charsmap": "precompiled_charsmap",
+    "ggml.bos_token_id": "bos_token_id",
+    "ggml.eos_token_id": "eos_token_id",
+    "ggml.unknown_token_id": "unk_token_id",
+    "ggml.padding_token_id": "pad_token_id",
+    "ggml.add_space_prefix": "add_prefix_space",
+}
+# GGUF metadata key (after "tokenizer.") -> a tokenizer_config.json entry.
+_CONFIG_FIELDS = {
+    "chat_template": "chat_template",
+    "ggml.add_bos_token": "add_bos_token",
+    "ggml.add_eos_token": "add_eos_token",
+}
+_SPECIAL_TOKENS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def gguf_tokenizer_fields(reader) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """`(architecture, tokenizer fields, tokenizer_config)` from a `gguf.GGUFReader`, as transformers reads them."""
+    metadata = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    if "tokenizer.ggml.tokens" not in metadata:
+        raise ValueError("this GGUF file has no tokenizer (no tokenizer.ggml.tokens metadata).")
+    architecture = reader.fields["general.architecture"].contents()
+    fields = {name: metadata[f"tokenizer.{key}"] for key, name in _TOKENIZER_FIELDS.items()
+              if f"tokenizer.{key}" in metadata}
+    config = {name: metadata[f"tokenizer.{key}"] for key, name in _CONFIG_FIELDS.items()
+              if f"tokenizer.{key}" in metadata}
+    if fields.get("tokenizer_type") == "llama":
+        # As transformers: llama.cpp adds BOS to a sentencepiece vocabulary whose file does not say otherwise.
+        config.setdefault("add_bos_token", True)
+    elif fields.get("tokenizer_type") == "gemma4":
+        config["add_bos_token"] = False  # Gemma 4's chat template writes <bos> itself (transformers does the same)
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        config[name] = fields["tokens"][token_id] if token_id is not None else None
+    return architecture, fields, config
+
+
+def tokenizer_from_gguf(reader) -> Any:
+    """A fast tokenizer built from a GGUF file's metadata (`reader`: a `gguf.GGUFReader`); torch is not imported."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    architecture, fields, config = gguf_tokenizer_fields(reader)
+    backend, extra = convert_gguf_tokenizer(architecture, fields)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **(config | extra))
+
+
+def load_tokenizer(folder: str) -> Any | None:
+    """The tokenizer saved in `folder` (tokenizer.json and friends), or None when the folder has none."""
+    if not any(os.path.exists(os.path.join(folder, name)) for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
