@@ -25,6 +25,7 @@ class Family:
 
 
 _LLAMA = Family("jaxspec.models.llama", "LlamaConfig", "LlamaForCausalLM", "jaxspec.convert.llama")
+_GEMMA = Family("jaxspec.models.gemma", "GemmaConfig", "GemmaForCausalLM", "jaxspec.convert.gemma")
 
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
@@ -33,6 +34,9 @@ FAMILIES: dict[str, Family] = {
         "jaxspec.models.deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM", "jaxspec.convert.deepseek_v3"
     ),
     "glm4_moe": Family("jaxspec.models.glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLM", "jaxspec.convert.glm4_moe"),
+    "gemma2": _GEMMA,
+    "gemma3_text": _GEMMA,
+    "gemma4_text": _GEMMA,
 }
 
 

@@ -172,3 +172,89 @@ def cached_attention_window(
     weights = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", weights, v_cache)
     return out.reshape(b, t, h, v_cache.shape[-1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gemma-family parts: float32 norms with an optional unit offset, soft-capping, GELU-tanh MLP, sliding windows
+#
+# Sliding-window attention masks keys outside the window in the full-size, position-indexed cache; it does not keep
+# a ring of window + K + 1 entries. Why:
+# - the cache index stays the absolute position, so rollback after a rejected draft stays a length, and every
+#   drafter that shares or reads the target's cache (early exit writes it, the Gemma 4 drafter reads it) works
+#   unchanged for windowed layers;
+# - a prompt longer than the window needs no separate prefill path (a block of T > window + K + 1 tokens written
+#   into a ring overwrites entries that earlier queries of the same block still need);
+# - the cost is memory and attention reads of S entries instead of window + K + 1 for windowed layers. Decoding reads
+#   every weight once per step; at the context lengths jaxspec sizes its caches for (prompt bucket + budget), the
+#   key/value reads of the windowed layers are a small fraction of that. A ring pays off only for contexts far
+#   longer than the window, where it is the next step.
+
+
+def gemma_rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm as the Gemma family computes it (HF `Gemma2RMSNorm` .. `Gemma4RMSNorm`): normalise and scale in float32,
+    then cast back (Llama casts before scaling). The scale is `offset + weight`: Gemma 2 and 3 store w and scale by
+    1 + w (offset 1), Gemma 4 stores the scale itself (offset 0). `weight=None` normalises without scaling."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jnp.power(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps, -0.5)
+    if weight is not None:
+        normed = normed * (offset + weight.astype(jnp.float32))
+    return normed.astype(x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """`cap * tanh(x / cap)`: bounds logits smoothly to (-cap, cap); None leaves x unchanged."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def gelu_gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """GeGLU MLP with the tanh GELU (HF `gelu_pytorch_tanh`): down(gelu(x @ gate) * (x @ up))."""
+    return (jax.nn.gelu(x @ w_gate, approximate=True) * (x @ w_up)) @ w_down
+
+
+def proportional_inv_freq(head_dim: int, theta: float, partial_rotary_factor: float, factor: float = 1.0) -> jax.Array:
+    """Gemma 4's "proportional" RoPE (HF `_compute_proportional_rope_parameters`): the first
+    `partial_rotary_factor * head_dim / 2` frequencies follow `theta ** (-2i / head_dim)` (the exponent is over the
+    whole head, not over the rotated part), the rest are 0 so their pairs pass through unrotated. Rotation is over
+    the whole head in rotate-half layout, so pair i is (i, i + head_dim / 2). [head_dim // 2]"""
+    rotated = int(partial_rotary_factor * head_dim // 2)
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, 2 * rotated, 2, dtype=jnp.float32) / head_dim))
+    inv_freq = jnp.concatenate([inv_freq, jnp.zeros(head_dim // 2 - rotated, jnp.float32)])
+    return inv_freq / factor
+
+
+def sliding_window_mask(positions: jax.Array, size: int, window: int | None) -> jax.Array:
+    """Keys each query sees in a position-indexed cache of `size` entries: `query - window < key <= query`, i.e. the
+    query and the `window - 1` positions before it (HF `sliding_window_overlay`); `window=None` is plain causal.
+    [B, T, S]"""
+    key_index = jnp.arange(size)[None, None, :]
+    visible = key_index <= positions[:, :, None]
+    if window is not None:
+        visible &= key_index > positions[:, :, None] - window
+    return visible
+
+
+def windowed_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    positions: jax.Array,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> jax.Array:
+    """`cached_attention` with an optional sliding window (`sliding_window_mask`) and an optional soft-cap of the
+    scaled scores before masking (Gemma 2's `attn_logit_softcapping`).
+
+    q: [B, T, H, Dh]; k_cache: [B, S, K, Dh]; v_cache: [B, S, K, Dv]; positions: [B, T]. Returns [B, T, H, Dv].
+    Entries past a row's committed length are stale drafts or padding at later positions, which no query sees.
+    """
+    b, t, h, dh = q.shape
+    kv_heads = k_cache.shape[2]
+    q = q.reshape(b, t, kv_heads, h // kv_heads, dh)  # [B, T, K, G, Dh]
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32) * scale
+    scores = soft_cap(scores, softcap)
+    visible = sliding_window_mask(positions, k_cache.shape[1], window)  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v_cache)
+    return out.reshape(b, t, h, v_cache.shape[-1])
