@@ -10,22 +10,32 @@ MTP layers use the main model's embedding and head by definition.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 
 from jaxspec.models.deepseek_v3 import DeepseekV3Config, param_shapes
 from jaxspec.models.moe import FLOAT32_PARAMS, MTP_PREFIX
 
-from .rules import CheckpointMismatch, Ignore, IndexedRule, TensorSource, convert_indexed, expected_names
+from .rules import (
+    CheckpointMismatch,
+    Ignore,
+    IndexedRule,
+    Layout,
+    Plan,
+    TensorSource,
+    expected_names,
+    merge_heads_out,
+    plan_indexed,
+    read_all,
+    transposed,
+)
 
 LAYER = r"model\.layers\.(\d+)\."
 
 
-def moe_family_rules(cfg, attention: list[tuple[str, str, Callable]]) -> list[IndexedRule]:
-    """Rules for a MoE-family model. `attention` is (HF suffix after the layer prefix, param, transform) per
+def moe_family_rules(cfg, attention: list[tuple[str, str, Layout | None]]) -> list[IndexedRule]:
+    """Rules for a MoE-family model. `attention` is (HF suffix after the layer prefix, param, layout) per
     attention tensor; every layer rule gets its layer offset here (dense: 0, MoE: first_k_dense_replace, MTP: N)."""
-    t = np.transpose
+    t = transposed()
     n, n_dense = cfg.num_layers, cfg.moe.first_dense_layers
     block = [
         (r"input_layernorm\.weight", "attn_norm", None),
@@ -55,7 +65,7 @@ def moe_family_rules(cfg, attention: list[tuple[str, str, Callable]]) -> list[In
     ]
 
     def rule(suffix, param, transform, offset):
-        return IndexedRule(LAYER + suffix, param, transform or (lambda w: w), (offset,))
+        return IndexedRule(LAYER + suffix, param, transform, (offset,))
 
     rules = [
         IndexedRule(r"model\.embed_tokens\.weight", "embed"),
@@ -95,51 +105,49 @@ def check_mtp_tensors(cfg, source: TensorSource, rules: list[IndexedRule], shape
         )
 
 
-def convert_moe_family(cfg, source, rules, ignores, shapes, dtype, progress) -> dict[str, np.ndarray]:
+def plan_moe_family(cfg, source, rules, ignores, shapes, dtype) -> Plan:
     if cfg.num_mtp_layers:
         check_mtp_tensors(cfg, source, rules, shapes)
     float32 = {name: np.dtype(np.float32) for name in FLOAT32_PARAMS if name in shapes}
-    return convert_indexed(source, rules, ignores, shapes, dtype, progress=progress, param_dtypes=float32)
+    return plan_indexed(source, rules, ignores, shapes, dtype, param_dtypes=float32)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # DeepSeek-V3 attention
 
 
-def deinterleave_rows(w: np.ndarray, start: int, width: int) -> np.ndarray:
-    """Reorder rows [start, start + width) of w from (x0, x1), (x2, x3), ... pairs to evens then odds."""
-    order = np.concatenate([np.arange(start, start + width, 2), np.arange(start + 1, start + width, 2)])
-    out = w.copy()
-    out[start : start + width] = w[order]
-    return out
+def deinterleave_order(size: int, start: int, width: int) -> tuple[int, ...]:
+    """Row order that turns rows [start, start + width) from (x0, x1), (x2, x3), ... pairs into evens then odds."""
+    order = np.arange(size)
+    order[start : start + width] = np.concatenate([np.arange(start, start + width, 2), np.arange(start + 1, start + width, 2)])
+    return tuple(int(i) for i in order)
 
 
-def attention_rules(cfg: DeepseekV3Config) -> list[tuple[str, str, Callable]]:
-    d, h, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+def attention_rules(cfg: DeepseekV3Config) -> list[tuple[str, str, Layout | None]]:
+    h, r = cfg.num_heads, cfg.kv_lora_rank
     dn, dr, dqk = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.qk_head_dim
     interleaved = cfg.rope_interleave
-
-    def query(w):  # HF [H*(Dn+Dr), in] -> [in, H, Dn+Dr], rope rows of each head de-interleaved
-        w = w.reshape(h, dqk, -1)
-        if interleaved:
-            w = np.stack([deinterleave_rows(head, dn, dr) for head in w])
-        return w.transpose(2, 0, 1)
-
-    def kv_a(w):  # HF [R+Dr, D] -> [D, R+Dr], rope rows de-interleaved
-        return (deinterleave_rows(w, r, dr) if interleaved else w).T
-
+    # HF [H*(Dn+Dr), in] -> [in, H, Dn+Dr], the rope rows of each head de-interleaved
+    query = Layout(split=((h, dqk), None), perm=(2, 0, 1), orders=((1, deinterleave_order(dqk, dn, dr)),) * interleaved)
+    # HF [R+Dr, D] -> [D, R+Dr], the rope rows de-interleaved
+    kv_a = Layout(split=(None, None), perm=(1, 0), orders=((0, deinterleave_order(r + dr, r, dr)),) * interleaved)
     return [
         (r"self_attn\.q_proj\.weight", "wq", query),
-        (r"self_attn\.q_a_proj\.weight", "wq_a", np.transpose),
+        (r"self_attn\.q_a_proj\.weight", "wq_a", transposed()),
         (r"self_attn\.q_a_layernorm\.weight", "q_norm", None),
         (r"self_attn\.q_b_proj\.weight", "wq_b", query),
         (r"self_attn\.kv_a_proj_with_mqa\.weight", "wkv_a", kv_a),
         (r"self_attn\.kv_a_layernorm\.weight", "kv_norm", None),
-        (r"self_attn\.kv_b_proj\.weight", "wkv_b", lambda w: w.reshape(h, dn + cfg.v_head_dim, r).transpose(2, 0, 1)),
-        (r"self_attn\.o_proj\.weight", "wo", lambda w: w.T.reshape(h, cfg.v_head_dim, d)),
+        # HF [H*(Dn+Dv), R] -> [R, H, Dn+Dv]
+        (r"self_attn\.kv_b_proj\.weight", "wkv_b", Layout(split=((h, dn + cfg.v_head_dim), None), perm=(2, 0, 1))),
+        (r"self_attn\.o_proj\.weight", "wo", merge_heads_out(h, cfg.v_head_dim)),
     ]
 
 
-def convert_checkpoint(cfg: DeepseekV3Config, source: TensorSource, dtype, progress=None) -> dict[str, np.ndarray]:
+def plan_checkpoint(cfg: DeepseekV3Config, source: TensorSource, dtype) -> Plan:
     rules = moe_family_rules(cfg, attention_rules(cfg))
-    return convert_moe_family(cfg, source, rules, moe_family_ignores(cfg), param_shapes(cfg), dtype, progress)
+    return plan_moe_family(cfg, source, rules, moe_family_ignores(cfg), param_shapes(cfg), dtype)
+
+
+def convert_checkpoint(cfg: DeepseekV3Config, source: TensorSource, dtype, progress=None) -> dict[str, np.ndarray]:
+    return read_all(plan_checkpoint(cfg, source, dtype), source, progress)

@@ -6,17 +6,15 @@ the DeepSeek-V3 MoE family's rules in convert/deepseek_v3.py.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 
 from jaxspec.models.glm4_moe import Glm4MoeConfig, param_shapes
 
-from .deepseek_v3 import convert_moe_family, moe_family_ignores, moe_family_rules
-from .rules import TensorSource, split_head_bias, split_heads
+from .deepseek_v3 import moe_family_ignores, moe_family_rules, plan_moe_family
+from .rules import Layout, Plan, TensorSource, merge_heads_out, read_all, split_head_bias, split_heads
 
 
-def attention_rules(cfg: Glm4MoeConfig) -> list[tuple[str, str, Callable]]:
+def attention_rules(cfg: Glm4MoeConfig) -> list[tuple[str, str, Layout | None]]:
     d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     return [
@@ -28,10 +26,14 @@ def attention_rules(cfg: Glm4MoeConfig) -> list[tuple[str, str, Callable]]:
         (r"self_attn\.v_proj\.bias", "bv", split_head_bias(k, dh)),
         (r"self_attn\.q_norm\.weight", "q_norm", None),
         (r"self_attn\.k_norm\.weight", "k_norm", None),
-        (r"self_attn\.o_proj\.weight", "wo", lambda w: w.T.reshape(h, dh, d)),
+        (r"self_attn\.o_proj\.weight", "wo", merge_heads_out(h, dh)),
     ]
 
 
-def convert_checkpoint(cfg: Glm4MoeConfig, source: TensorSource, dtype, progress=None) -> dict[str, np.ndarray]:
+def plan_checkpoint(cfg: Glm4MoeConfig, source: TensorSource, dtype) -> Plan:
     rules = moe_family_rules(cfg, attention_rules(cfg))
-    return convert_moe_family(cfg, source, rules, moe_family_ignores(cfg), param_shapes(cfg), dtype, progress)
+    return plan_moe_family(cfg, source, rules, moe_family_ignores(cfg), param_shapes(cfg), dtype)
+
+
+def convert_checkpoint(cfg: Glm4MoeConfig, source: TensorSource, dtype, progress=None) -> dict[str, np.ndarray]:
+    return read_all(plan_checkpoint(cfg, source, dtype), source, progress)

@@ -19,6 +19,13 @@ otherwise it is converted again and replaced. Deleting the folder forces a fresh
 
 Every folder is written into a temporary sibling (`OUT.tmp-<random>`) and renamed into place only when complete,
 so an interrupted or failed conversion never leaves a folder that loads.
+
+Several processes (`jaxspec.distributed`): `save` and `load_cached` are collective, every process calls them with
+the same arguments. Each process writes the slices of the params its devices hold (orbax writes global arrays that
+way); process 0 alone picks the temporary name (broadcast to the others), writes the JSON and tokenizer files and
+the marker, and renames the folder, with barriers between the steps. `restore(folder, mesh=...)` reads each param
+straight into its sharding, every process only its own slices. The folder must be on a filesystem that every
+process sees (GCS or NFS on a pod).
 """
 
 from __future__ import annotations
@@ -31,10 +38,12 @@ import shutil
 import warnings
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from . import catalog, loading
+from . import catalog, distributed, loading
 from .loading import Model, _read_json
 from .registry import family_for
 from .tokenizer import load_tokenizer
@@ -75,11 +84,12 @@ def read_marker(folder: str) -> dict[str, Any]:
     return marker
 
 
-def restore(folder: str, dtype: Any = None) -> Model:
+def restore(folder: str, dtype: Any = None, *, mesh=None, sharding_rules=None) -> Model:
     """Rebuild the `Model` saved in `folder`: no tensor source is read and nothing is converted.
 
     `dtype=None` keeps the dtype the folder was converted to; another dtype casts each param while reading
-    (params the module declares float32, like the MoE router bias, stay float32).
+    (params the module declares float32, like the MoE router bias, stay float32). With a `mesh`, each param is
+    restored straight into its sharding by logical axes (`sharding_rules`), each process reading its own slices.
     """
     folder = os.fspath(folder)
     marker = read_marker(folder)
@@ -94,7 +104,7 @@ def restore(folder: str, dtype: Any = None) -> Model:
     cfg = family.config_from_hf(hf_config)
     dtype = jnp.dtype(dtype if dtype is not None else marker["dtype"])
     return Model(
-        module=_restore_module(family.model_cls(), cfg, dtype, params_dir),
+        module=_restore_module(family.model_cls(), cfg, dtype, params_dir, mesh, sharding_rules),
         config=cfg,
         hf_config=hf_config,
         tokenizer=load_tokenizer(folder),
@@ -103,15 +113,30 @@ def restore(folder: str, dtype: Any = None) -> Model:
     )
 
 
-def _restore_module(model_cls, cfg, dtype, params_dir: str) -> nnx.Module:
-    """Read the params straight into the shapes and declared dtypes of an abstract module (no random init)."""
+def _restore_module(model_cls, cfg, dtype, params_dir: str, mesh=None, sharding_rules=None) -> nnx.Module:
+    """Read the params straight into the shapes, declared dtypes and (with a mesh) shardings of an abstract module
+    (no random init)."""
     import orbax.checkpoint as ocp
 
+    from .sharding import ShardingRules, variable_sharding
+
     graphdef, state = nnx.split(nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype)))
+    if mesh is not None:
+        rules = sharding_rules or ShardingRules()
+
+        def target(variable):
+            spec = variable.get_value()
+            return variable.replace(jax.ShapeDtypeStruct(spec.shape, spec.dtype,
+                                                         sharding=variable_sharding(variable, mesh, rules)))
+
+        state = jax.tree.map(target, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     with ocp.StandardCheckpointer() as checkpointer:
         params = checkpointer.restore(os.path.abspath(params_dir), nnx.to_pure_dict(state))
     nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)
+    module = nnx.merge(graphdef, state)
+    if mesh is not None and hasattr(module, "place_on"):
+        module.place_on(mesh, rules)
+    return module
 
 
 def save(model: Model, out: str, *, source: str | None = None, force: bool = False) -> str:
@@ -123,14 +148,22 @@ def save(model: Model, out: str, *, source: str | None = None, force: bool = Fal
     """
     out = os.path.abspath(os.fspath(out))
     check_replaceable(out, force)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = f"{out}.tmp-{secrets.token_hex(6)}"
-    os.mkdir(tmp)
+    lead = jax.process_index() == 0
+    # One temporary name for every process: process 0's.
+    tmp = f"{out}.tmp-{bytes(distributed.broadcast(np.frombuffer(secrets.token_bytes(6), np.uint8))).hex()}"
+    distributed.barrier("jaxspec-save-checked")  # nobody renames before every process has checked `out`
+    if lead:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        os.mkdir(tmp)
+    distributed.barrier("jaxspec-save-tmp")
     try:
         write_folder(model, tmp, source if source is not None else model.source)
-        _publish(tmp, out)
+        if lead:
+            _publish(tmp, out)
+        distributed.barrier("jaxspec-save-published")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
@@ -147,14 +180,19 @@ def check_replaceable(out: str, force: bool) -> None:
 
 
 def write_folder(model: Model, folder: str, source: str) -> None:
-    """Everything a conversion folder holds, the marker last: a folder without the marker is incomplete."""
-    _write_json(os.path.join(folder, "config.json"), model.hf_config)
-    if model.generation_config:
-        _write_json(os.path.join(folder, "generation_config.json"), model.generation_config)
-    if model.tokenizer is not None:
-        model.tokenizer.save_pretrained(folder)
+    """Everything a conversion folder holds, the marker last: a folder without the marker is incomplete.
+    Collective with several processes: each writes its slices of the params, process 0 everything else."""
+    lead = jax.process_index() == 0
+    if lead:
+        _write_json(os.path.join(folder, "config.json"), model.hf_config)
+        if model.generation_config:
+            _write_json(os.path.join(folder, "generation_config.json"), model.generation_config)
+        if model.tokenizer is not None:
+            model.tokenizer.save_pretrained(folder)
     write_params(model.module, os.path.join(folder, PARAMS_DIR))
-    _write_json(os.path.join(folder, MARKER), marker_for(model, source))
+    distributed.barrier("jaxspec-save-params")
+    if lead:
+        _write_json(os.path.join(folder, MARKER), marker_for(model, source))
 
 
 def write_params(module: nnx.Module, params_dir: str) -> None:
@@ -213,13 +251,14 @@ def catalog_source(name: str) -> str:
     return f"catalog:{name}@sha256:{catalog.get_entry(name).sha256}"
 
 
-def load_cached(name: str, dtype: Any, progress: bool = False) -> Model:
-    """Catalogue model `name` at `dtype`: restored from the conversion cache, else converted and cached."""
+def load_cached(name: str, dtype: Any, progress: bool = False, *, mesh=None, sharding_rules=None) -> Model:
+    """Catalogue model `name` at `dtype`: restored from the conversion cache, else converted and cached.
+    Collective with several processes; process 0 decides whether the cache is current."""
     folder = cached_folder(name, dtype)
     source = catalog_source(name)
-    if _is_current(folder, source):
-        return restore(folder)
-    model = loading.convert(name, dtype, progress)
+    if bool(distributed.broadcast(np.asarray(_is_current(folder, source)))):
+        return restore(folder, mesh=mesh, sharding_rules=sharding_rules)
+    model = loading.convert(name, dtype, progress, mesh=mesh, sharding_rules=sharding_rules)
     if progress:
         print(f"caching the conversion in {folder}", flush=True)
     try:

@@ -47,11 +47,12 @@ def default_dtype() -> jnp.dtype:
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def convert(path: str, dtype: Any, progress: bool = False) -> Model:
+def convert(path: str, dtype: Any, progress: bool = False, mesh=None, sharding_rules=None) -> Model:
     """Convert a source checkpoint (HF folder, `.gguf` file, catalogue name, hub id) into a `Model`.
 
     The conversion cache is neither read nor written here: `jaxspec.load`, `scripts/convert.py` and the cache call
-    this.
+    this. With a `mesh`, every param is created sharded on it by its logical axes (`sharding_rules`, default
+    `ShardingRules()`), and each process reads only the slices its own devices hold (see `build_sharded_module`).
     """
     from . import catalog
 
@@ -61,7 +62,7 @@ def convert(path: str, dtype: Any, progress: bool = False) -> Model:
     elif not os.path.exists(path) and _looks_like_hub_id(path):
         path = _download_from_hub(path)
     if path.endswith(".gguf"):
-        return _load_gguf(path, dtype, progress)
+        return _load_gguf(path, dtype, progress, mesh, sharding_rules)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"No checkpoint folder or .gguf file at {path!r}.")
     config_path = os.path.join(path, "config.json")
@@ -71,11 +72,8 @@ def convert(path: str, dtype: Any, progress: bool = False) -> Model:
         hf_config = json.load(f)
     family = family_for(hf_config, config_path)
     cfg = family.config_from_hf(hf_config)
-    from jaxspec.convert.safetensors_io import SafetensorsCheckpoint
-
-    source = SafetensorsCheckpoint(path)
-    params = family.converter()(cfg, source, np.dtype(dtype), progress=_progress_bar(path) if progress else None)
-    module = build_module(family.model_cls(), cfg, dtype, params)
+    source = open_safetensors(path, hf_config)
+    module = _build(family, cfg, dtype, source, _progress_bar(path) if progress else None, mesh, sharding_rules)
     return Model(
         module=module,
         config=cfg,
@@ -105,6 +103,77 @@ def _download_from_hub(repo_id: str) -> str:
         ) from error
 
 
+def open_safetensors(folder: str, hf_config: dict[str, Any]):
+    """The folder's tensors as a lazy source; FP8 block-scaled weights read dequantized (convert/fp8.py)."""
+    from jaxspec.convert.fp8 import DequantizedSource, Fp8BlockQuantization
+    from jaxspec.convert.safetensors_io import SafetensorsCheckpoint
+
+    source = SafetensorsCheckpoint(folder)
+    quantization = Fp8BlockQuantization.from_hf_config(hf_config)
+    return source if quantization is None else DequantizedSource(source, quantization)
+
+
+def _build(family, cfg, dtype, source, progress, mesh, sharding_rules) -> nnx.Module:
+    if mesh is not None:
+        return build_sharded_module(family, cfg, dtype, source, mesh, sharding_rules, progress)
+    params = family.converter()(cfg, source, np.dtype(dtype), progress=progress)
+    return build_module(family.model_cls(), cfg, dtype, params)
+
+
+def build_sharded_module(family, cfg, dtype, source, mesh, sharding_rules=None, progress=None) -> nnx.Module:
+    """The module with every param created sharded on `mesh` by its logical axes, straight from `source`.
+
+    Families whose converter can plan (`plan_checkpoint`: DeepSeek-V3, GLM-4.5) read, in each process, only the
+    boxes of each param that the process's own devices hold, and only the bytes of the HF tensors inside those
+    boxes; a process never holds more than its own shards plus one box in flight, so the whole checkpoint never
+    passes through one host. Other families (Llama, Qwen2, GGUF files) convert whole on every host first and then
+    keep their slices, which suits models that fit one host. The module remembers the mesh (`place_on`), which
+    turns on expert parallelism in MoE layers.
+    """
+    import importlib
+
+    from .distributed import array_from_blocks
+    from .sharding import ShardingRules, variable_sharding
+
+    rules = sharding_rules or ShardingRules()
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: family.model_cls()(cfg, dtype=dtype)))
+    planner = getattr(importlib.import_module(family.convert_module), "plan_checkpoint", None)
+    if planner is not None:
+        plan = planner(cfg, source, np.dtype(dtype))
+
+        def read(path, box):
+            (name,) = path
+            return plan.read(source, name, box)
+    else:
+        params = family.converter()(cfg, source, np.dtype(dtype), progress=progress)
+
+        def read(path, box):
+            value = params
+            for key in path:
+                value = value[key]
+            return np.asarray(value)[box]
+
+    variables = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    placed = {}
+    for step, (path, variable) in enumerate(variables):
+        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        spec = variable.get_value()
+        sharding = variable_sharding(variable, mesh, rules)
+        placed[keys] = array_from_blocks(spec.shape, spec.dtype, sharding, lambda box, keys=keys: read(keys, box))
+        if progress and planner is not None:
+            progress(step, len(variables))
+
+    def fill(path, variable):
+        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        return variable.replace(placed[keys])
+
+    state = jax.tree_util.tree_map_with_path(fill, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    module = nnx.merge(graphdef, state)
+    if hasattr(module, "place_on"):
+        module.place_on(mesh, rules)
+    return module
+
+
 def build_module(model_cls, cfg, dtype, params: dict[str, np.ndarray]) -> nnx.Module:
     """Instantiate the module abstractly (no random init at real sizes), then fill in the converted params."""
     abstract = nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype))
@@ -117,16 +186,16 @@ def build_module(model_cls, cfg, dtype, params: dict[str, np.ndarray]) -> nnx.Mo
     return nnx.merge(graphdef, state)
 
 
-def _load_gguf(path: str, dtype, progress: bool) -> Model:
+def _load_gguf(path: str, dtype, progress: bool, mesh=None, sharding_rules=None) -> Model:
     from jaxspec.convert.gguf import read_gguf
 
     ckpt = read_gguf(path)
     family = family_for(ckpt.hf_config, path)
     cfg = family.config_from_hf(ckpt.hf_config)
     source = _GGUFSource(ckpt)
-    params = family.converter()(cfg, source, np.dtype(dtype), progress=_progress_bar(path) if progress else None)
+    module = _build(family, cfg, dtype, source, _progress_bar(path) if progress else None, mesh, sharding_rules)
     return Model(
-        module=build_module(family.model_cls(), cfg, dtype, params),
+        module=module,
         config=cfg,
         hf_config=ckpt.hf_config,
         tokenizer=ckpt.load_tokenizer(),

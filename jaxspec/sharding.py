@@ -8,7 +8,7 @@ the mesh axis does not divide is replicated instead, so tiny test models and odd
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -34,13 +34,17 @@ class ShardingRules:
 
 
 def partition_spec(
-    logical_axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, rules: ShardingRules
+    logical_axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh | Mapping[str, int], rules: ShardingRules
 ) -> PartitionSpec:
-    """Spec for one array. Raises if two of its logical axes land on the same mesh axis (a rules bug)."""
+    """Spec for one array. Raises if two of its logical axes land on the same mesh axis (a rules bug).
+
+    `mesh` may also be a plain {axis name: size} mapping: the planner (scripts/plan.py) sizes meshes it does not have.
+    """
+    sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
     spec, used = [], {}
     for name, size in zip(logical_axes, shape):
         axis = rules.mesh_axis(name)
-        if axis is None or axis not in mesh.shape or size % mesh.shape[axis] != 0:
+        if axis is None or axis not in sizes or size % sizes[axis] != 0:
             spec.append(None)
             continue
         if axis in used:
@@ -54,6 +58,20 @@ def named_sharding(logical_axes, shape, mesh: Mesh, rules: ShardingRules) -> Nam
     return NamedSharding(mesh, partition_spec(tuple(logical_axes), tuple(shape), mesh, rules))
 
 
+def shard_shape(logical_axes, shape, mesh: Mesh | Mapping[str, int], rules: ShardingRules) -> tuple[int, ...]:
+    """The shape of one device's shard."""
+    sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
+    spec = partition_spec(tuple(logical_axes), tuple(shape), mesh, rules)
+    return tuple(n // (sizes[axis] if axis else 1) for n, axis in zip(shape, spec))
+
+
+def variable_sharding(variable, mesh: Mesh, rules: ShardingRules) -> NamedSharding:
+    """Where an nnx Variable lives: by its `logical_axes` metadata, replicated without any."""
+    axes = variable.get_metadata().get("logical_axes")
+    shape = variable.get_value().shape
+    return named_sharding(axes, shape, mesh, rules) if axes else NamedSharding(mesh, PartitionSpec())
+
+
 def shard_state(state: Any, mesh: Mesh, rules: ShardingRules) -> Any:
     """Place every nnx Variable of a module state by its `logical_axes` metadata."""
     from flax import nnx
@@ -61,10 +79,7 @@ def shard_state(state: Any, mesh: Mesh, rules: ShardingRules) -> Any:
     def place(variable):
         if not isinstance(variable, nnx.Variable):
             return variable
-        axes = variable.get_metadata().get("logical_axes")
-        value = variable[...]
-        sharding = named_sharding(axes, value.shape, mesh, rules) if axes else NamedSharding(mesh, PartitionSpec())
-        return variable.replace(jax.device_put(value, sharding))
+        return variable.replace(jax.device_put(variable.get_value(), variable_sharding(variable, mesh, rules)))
 
     return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

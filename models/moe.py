@@ -28,6 +28,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxspec.sharding import ShardingRules, constrain, partition_spec
 
 from . import layers as L
 
@@ -166,8 +170,12 @@ def common_fields(hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any
     if act != "silu":
         raise NotImplementedError(f"hidden_act={act!r} is not supported yet; only 'silu' is.")
     if hf.get("quantization_config"):
+        # FP8 block-scaled weights are dequantized while reading (convert/fp8.py checks the details); the model
+        # itself never sees them.
         method = hf["quantization_config"].get("quant_method")
-        raise NotImplementedError(f"quantized checkpoints (quant_method={method!r}) are not supported yet.")
+        if method != "fp8":
+            raise NotImplementedError(f"quantized checkpoints (quant_method={method!r}) are not supported; only "
+                                      "'fp8' with block scales (DeepSeek-V3's layout) is.")
     if hf.get("mtp_hidden_states_first"):
         raise NotImplementedError("mtp_hidden_states_first=True is not supported yet.")
     eos = hf.get("eos_token_id", defaults.get("eos_token_id"))
@@ -241,11 +249,85 @@ def dense_experts_reference(
     return jnp.einsum("ne,ned->nd", combine, out.astype(jnp.float32)).astype(x.dtype)
 
 
-def moe_ffn(cfg: MoeConfig, p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    """Routed experts plus shared experts on x: [B, T, D]."""
+def local_experts(
+    x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+    first_expert: jax.Array | int,
+) -> jax.Array:
+    """`routed_experts` restricted to the experts [first_expert, first_expert + E_local) that this shard holds:
+    assignments to other experts contribute nothing (another shard adds them). Returns float32 [N, D].
+
+    x: [N, D]; weights, experts: [N, k]; w_gate, w_up: [E_local, D, F]; w_down: [E_local, F, D]. Local assignments
+    are sorted first, by expert, so one grouped matmul covers them; the others sort last, past the groups, and are
+    zeroed (ragged_dot leaves rows past the last group unspecified on some backends).
+    """
+    n, k = experts.shape
+    count = w_gate.shape[0]
+    local = experts.reshape(-1) - first_expert  # [N*k]
+    mine = (local >= 0) & (local < count)
+    slot = jnp.where(mine, local, count)  # the others go to a bucket past the last local expert
+    order = jnp.argsort(slot, stable=True)
+    token = order // k  # [N*k] the token of each sorted assignment
+    group_sizes = jnp.bincount(slot, length=count + 1)[:count].astype(jnp.int32)  # [E_local]
+    rows = x[token]  # [N*k, D]
+    gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)  # [N*k, F]
+    up = jax.lax.ragged_dot(rows, w_up, group_sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [N*k, D]
+    out = jnp.where(mine[order][:, None], out.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
+    return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(out)
+
+
+def expert_parallel(
+    x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+    mesh: Mesh, rules: ShardingRules,
+) -> jax.Array:
+    """`routed_experts` with the experts split over the mesh: inside `shard_map`, each shard runs the experts it
+    holds (the `experts` axis's mesh axis) on its own tokens (the `batch` axis's), on its slice of each expert's
+    hidden width (the `mlp` axis's), and one psum over the expert and mlp mesh axes adds the partial outputs.
+
+    x: [B, T, D]; weights, experts: [B, T, k]; w_gate, w_up: [E, D, F]; w_down: [E, F, D]. Returns [B, T, D].
+    Every shard sees every assignment of its tokens and keeps its own, so no token is dropped and no all-to-all is
+    needed (which keeps the path the same on CPU, where `ragged_all_to_all` does not exist, and on TPU/GPU). At
+    decode sizes (a few tokens per row) the psum of a [B, T, D] block is the whole communication.
+    """
+    gate_spec = partition_spec(("experts", "embed", "mlp"), w_gate.shape, mesh, rules)
+    down_spec = partition_spec(("experts", "mlp", "embed"), w_down.shape, mesh, rules)
+    expert_axis, mlp_axis = gate_spec[0], gate_spec[2]
+    reduce_axes = tuple(a for a in (expert_axis, mlp_axis) if a is not None)
+    batch_axis = partition_spec(("batch",), x.shape[:1], mesh, rules)[0]
+    if batch_axis in reduce_axes:  # tokens split over a reduced axis would be summed with other tokens
+        batch_axis = None
+    token_spec = P(batch_axis, None, None)
+    gate_spec, down_spec = P(expert_axis, None, mlp_axis), P(expert_axis, mlp_axis, None)
+    local_count = w_gate.shape[0] // (mesh.shape[expert_axis] if expert_axis else 1)
+
+    def shard(x, weights, experts, w_gate, w_up, w_down):
+        first = jax.lax.axis_index(expert_axis) * local_count if expert_axis else 0
+        b, t, d = x.shape
+        out = local_experts(x.reshape(b * t, d), weights.reshape(b * t, -1), experts.reshape(b * t, -1),
+                            w_gate, w_up, w_down, first)
+        if reduce_axes:
+            out = jax.lax.psum(out, reduce_axes)
+        return out.astype(x.dtype).reshape(b, t, d)
+
+    return jax.shard_map(
+        shard,
+        mesh=mesh,
+        in_specs=(token_spec, token_spec, token_spec, gate_spec, gate_spec, down_spec),
+        out_specs=token_spec,
+    )(x, weights, experts, w_gate, w_up, w_down)
+
+
+def moe_ffn(cfg: MoeConfig, p: dict[str, jax.Array], x: jax.Array, mesh: Mesh | None = None,
+            rules: ShardingRules | None = None) -> jax.Array:
+    """Routed experts plus shared experts on x: [B, T, D]. With a mesh, the routed experts run expert-parallel."""
     flat = x.reshape(-1, x.shape[-1])  # [N, D]
     weights, experts = route(flat, p["router"], p["router_bias"], cfg)
-    out = routed_experts(flat, weights, experts, p["we_gate"], p["we_up"], p["we_down"]).reshape(x.shape)
+    if mesh is None:
+        out = routed_experts(flat, weights, experts, p["we_gate"], p["we_up"], p["we_down"]).reshape(x.shape)
+    else:
+        k = cfg.experts_per_token
+        weights, experts = weights.reshape(*x.shape[:2], k), experts.reshape(*x.shape[:2], k)
+        out = expert_parallel(x, weights, experts, p["we_gate"], p["we_up"], p["we_down"], mesh, rules)
     if cfg.num_shared_experts:
         out = out + L.gated_mlp(x, p["ws_gate"], p["ws_up"], p["ws_down"])
     return out
@@ -349,6 +431,10 @@ class MoeCausalLM(nnx.Module):
     def __init__(self, cfg, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs | None = None):
         self.cfg = cfg
         self.dtype = dtype
+        # The mesh the params live on (`place_on`): the routed experts then run expert-parallel in shard_map and
+        # new caches are laid out by their logical axes. None: one device, or GSPMD decides everything.
+        self.mesh: Mesh | None = None
+        self.rules: ShardingRules | None = None
         rngs = rngs or nnx.Rngs(0)
         for name, shape in stack_shapes(cfg, self.attention_shapes()).items():
             base = name.removeprefix(MTP_PREFIX)
@@ -359,6 +445,15 @@ class MoeCausalLM(nnx.Module):
             else:
                 value = (0.02 * jax.random.normal(rngs.params(), shape)).astype(dtype)
             setattr(self, name, nnx.Param(value, logical_axes=param_axes(name, self.ATTENTION_AXES)))
+
+    def place_on(self, mesh: Mesh | None, rules: ShardingRules | None = None) -> None:
+        """Declare the mesh the params are (or will be) sharded on; see `__init__`. The params are not moved."""
+        self.mesh, self.rules = mesh, (rules or ShardingRules()) if mesh is not None else None
+
+    def _constrain_cache(self, cache):
+        if self.mesh is None:
+            return cache
+        return jax.tree.map(lambda x, axes: constrain(x, axes, self.mesh, self.rules), cache, type(cache).logical_axes())
 
     # -- family hooks ----------------------------------------------------------------------------------------------
 
@@ -400,7 +495,7 @@ class MoeCausalLM(nnx.Module):
         return self.logits(hidden), hidden, cache
 
     def init_cache(self, batch: int, size: int):
-        return self.new_cache(self.cfg.num_layers, batch, size)
+        return self._constrain_cache(self.new_cache(self.cfg.num_layers, batch, size))
 
     # -- MTP -------------------------------------------------------------------------------------------------------
 
@@ -412,7 +507,7 @@ class MoeCausalLM(nnx.Module):
         """One position-indexed cache per MTP depth, stacked on the leading (layers) axis. `depths` may exceed the
         number of MTP layers when the last layer is reused for extra drafts; each depth keeps its own cache."""
         self._check_mtp_depth(0)
-        return self.new_cache(depths or self.cfg.num_mtp_layers, batch, size)
+        return self._constrain_cache(self.new_cache(depths or self.cfg.num_mtp_layers, batch, size))
 
     def mtp_step(
         self, depth: int, tokens: jax.Array, prev_hidden: jax.Array, positions: jax.Array, mtp_cache,
@@ -474,7 +569,10 @@ class MoeCausalLM(nnx.Module):
         out, cache = self.attention(p, L.rms_norm(x, p["attn_norm"], eps), positions, cache, index, first)
         x = x + out
         h = L.rms_norm(x, p["mlp_norm"], eps)
-        ffn = moe_ffn(self.cfg.moe, p, h) if moe else L.gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
+        if moe:
+            ffn = moe_ffn(self.cfg.moe, p, h, self.mesh, self.rules)
+        else:
+            ffn = L.gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
         return x + ffn, cache
 
 

@@ -1,0 +1,150 @@
+"""FP8 block-scaled checkpoints (DeepSeek-V3/R1 layout): a tiny random DeepSeek-V3 with an MTP layer is quantized
+to float8_e4m3fn with float32 `weight_scale_inv` blocks (a block size that leaves partial edge blocks), next to its
+dequantized float32 twin, an ordinary HF checkpoint that transformers loads. jaxspec must read the FP8 folder into
+exactly the twin's params, generate what transformers generates from the twin, and read any box of it (a device's
+shard) exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors.torch import save_file
+
+import jaxspec
+from jaxspec.convert.fp8 import SCALE_SUFFIX, quantize
+from jaxspec.convert.rules import CheckpointMismatch
+from tests.test_generate import PROMPTS, left_padded
+from tests.test_moe_models import DEEPSEEK, HF_CLASSES, read_tensors, save_checkpoint
+
+BLOCK = 24  # hidden 64 = 24 + 24 + 16 and expert width 32 = 24 + 8: every weight has partial edge blocks
+N = 20
+CONFIG = DEEPSEEK | dict(first_k_dense_replace=1, q_lora_rank=16, n_group=2, topk_group=1, num_experts_per_tok=2)
+N_LAYERS, N_MTP = 2, 1
+
+# DeepSeek-V3 keeps these unquantized: bf16, except the router's score-correction bias (float32).
+UNQUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "e_score_correction_bias", "eh_proj",
+               "shared_head.head")
+
+
+def is_quantized(name: str, shape) -> bool:
+    return len(shape) == 2 and not any(part in name for part in UNQUANTIZED)
+
+
+def write_fp8_pair(folder: str, n_layers=N_LAYERS, n_mtp=N_MTP, config=CONFIG, block=BLOCK, seed=0) -> tuple[str, str]:
+    """(fp8 folder, float32 twin folder). The twin holds exactly the values the fp8 folder encodes."""
+    source = save_checkpoint("deepseek_v3", f"{folder}/source", n_layers, n_mtp, config, seed=seed)
+    tensors = {name: t.float().numpy() for name, t in read_tensors(os.path.join(source, "model.safetensors")).items()}
+    fp8, twin = {}, {}
+    for name, value in tensors.items():
+        if is_quantized(name, value.shape):
+            weight, scale = quantize(value, (block, block))
+            fp8[name] = torch.from_numpy(weight.view(np.uint8)).view(torch.float8_e4m3fn)
+            fp8[name + SCALE_SUFFIX] = torch.from_numpy(scale)
+            expanded = np.repeat(np.repeat(scale, block, 0), block, 1)[: value.shape[0], : value.shape[1]]
+            twin[name] = weight.astype(np.float32) * expanded
+        elif name.endswith("e_score_correction_bias"):
+            fp8[name] = torch.from_numpy(value)
+            twin[name] = value
+        else:
+            rounded = value.astype(ml_dtypes.bfloat16)
+            fp8[name] = torch.from_numpy(rounded.view(np.uint16)).view(torch.bfloat16)
+            twin[name] = rounded.astype(np.float32)
+    with open(os.path.join(source, "config.json")) as f:
+        hf_config = json.load(f)
+    quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [block, block]}
+    out = {}
+    for kind, data, extra in (("fp8", fp8, {"quantization_config": quantization}), ("twin", twin, {})):
+        out[kind] = os.path.join(folder, kind)
+        os.makedirs(out[kind])
+        tensors = {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))
+                   for k, v in data.items()}
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out[kind], "model.safetensors"))
+        with open(os.path.join(out[kind], "config.json"), "w") as f:
+            json.dump(hf_config | extra, f, indent=2)
+    return out["fp8"], out["twin"]
+
+
+def params_of(model) -> dict[str, np.ndarray]:
+    return {name: np.asarray(v) for name, v in nnx.to_pure_dict(nnx.state(model.module)).items()}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return write_fp8_pair(str(tmp_path_factory.mktemp("fp8")))
+
+
+@pytest.fixture(scope="module")
+def fp8_model(pair):
+    return jaxspec.load(pair[0], dtype=jnp.float32)
+
+
+def test_fp8_checkpoint_reads_as_its_dequantized_twin(pair, fp8_model):
+    fp8_folder, twin_folder = pair
+    with open(os.path.join(fp8_folder, "model.safetensors"), "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert {e["dtype"] for n, e in header.items() if n != "__metadata__"} == {"F8_E4M3", "F32", "BF16"}
+    assert any(n.startswith(f"model.layers.{N_LAYERS}.") and n.endswith(SCALE_SUFFIX) for n in header)  # MTP too
+    got, expected = params_of(fp8_model), params_of(jaxspec.load(twin_folder, dtype=jnp.float32))
+    assert got.keys() == expected.keys() and any(name.startswith("mtp_") for name in got)
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def test_fp8_greedy_equals_transformers_on_the_twin_and_mtp_equals_greedy(pair, fp8_model):
+    hf_class = HF_CLASSES["deepseek_v3"][1]
+    saved = hf_class._keys_to_ignore_on_load_unexpected
+    hf_class._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{N_LAYERS + k}\..*" for k in range(N_MTP)]
+    try:
+        hf = hf_class.from_pretrained(pair[1], dtype=torch.float32).eval()
+    finally:
+        hf_class._keys_to_ignore_on_load_unexpected = saved
+    ids, mask = left_padded(PROMPTS)
+    plain = jaxspec.generate(fp8_model, ids, mask, max_new_tokens=N)
+    for row, prompt in enumerate(PROMPTS):
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=N, do_sample=False).numpy()[0, len(prompt):]
+        got = plain.sequences[row, ids.shape[1]: ids.shape[1] + len(expected)]
+        np.testing.assert_array_equal(got, expected)
+    mtp = jaxspec.generate(fp8_model, ids, mask, max_new_tokens=N, use_mtp=True)
+    np.testing.assert_array_equal(mtp.sequences, plain.sequences)
+    assert mtp.drafted.sum() > 0
+
+
+def test_sharded_fp8_load_reads_every_box_exactly(pair, fp8_model):
+    """On a mesh, each device's box of each param is read on its own (straight from the fp8 bytes and the scale
+    blocks it touches); boxes start inside scale blocks (expert width 32 split in two: 16 is inside block 0)."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 2, 4), ("data", "model", "expert"))
+    sharded = jaxspec.load(pair[0], dtype=jnp.float32, mesh=mesh)
+    state = nnx.state(sharded.module)
+    assert state["mtp_we_gate"][...].sharding.spec == jax.sharding.PartitionSpec(None, "expert", None, "model")
+    expected = params_of(fp8_model)
+    for name, value in params_of(sharded).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_fp8_errors_name_the_tensors(pair, tmp_path):
+    fp8_folder, _ = pair
+    tensors = read_tensors(os.path.join(fp8_folder, "model.safetensors"))
+    dropped = f"model.layers.1.mlp.experts.3.down_proj.weight{SCALE_SUFFIX}"
+    save_file({k: v for k, v in tensors.items() if k != dropped}, str(tmp_path / "model.safetensors"))
+    with open(os.path.join(fp8_folder, "config.json")) as f:
+        hf_config = json.load(f)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(hf_config, f)
+    with pytest.raises(CheckpointMismatch, match=r"fp8 weights without a _scale_inv tensor: \['model\.layers\.1\.mlp"
+                                                 r"\.experts\.3\.down_proj\.weight'\]"):
+        jaxspec.load(str(tmp_path), dtype=jnp.float32)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(hf_config | {"quantization_config": {"quant_method": "fp8", "fmt": "e5m2",
+                                                       "weight_block_size": [BLOCK, BLOCK]}}, f)
+    with pytest.raises(NotImplementedError, match="fmt='e5m2'"):
+        jaxspec.load(str(tmp_path), dtype=jnp.float32)
