@@ -1,10 +1,15 @@
 """`generate()`: every strategy runs in the same jit-compiled `lax.while_loop`.
 
-One round: the drafter proposes up to K tokens per row; the target scores `[last, d_1 .. d_W-1]` in one forward,
-with the width W chosen at run time among a few static sizes (a round with 2 drafts does not pay for K);
-`verify()` decides what each row accepts; each row commits its own count, cut at EOS and at its budget. Plain
-decoding is the K = 0 drafter, not a second loop. Prompts are left-aligned inside the loop (a row's cache index is
-its position) and padded to a length bucket, so a new prompt length in the same bucket does not recompile.
+Two executables per (model, strategy, shapes): the prefill reads the prompt in fixed-width chunks (a loop, so the
+prompt's length is not a shape) and picks each row's first token; the round loop then drafts, verifies and commits
+until every row is done. One round: the drafter proposes up to K tokens per row; the target scores
+`[last, d_1 .. d_W-1]` in one forward, with the width W chosen at run time among a few static sizes (a round with
+2 drafts does not pay for K); `verify()` decides what each row accepts; each row commits its own count, cut at EOS
+and at its budget. Plain decoding is the K = 0 drafter, not a second loop.
+
+What recompiles: only shapes and the choice of strategy. Prompts are left-aligned in a token buffer whose length
+is rounded up to a power of two (at least MIN_BUFFER), so prompts and budgets of similar size share executables;
+sampling settings and processors are run-time arrays (jaxspec.settings).
 """
 
 from __future__ import annotations
@@ -21,21 +26,22 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from . import distributed, settings as settings_lib
 from .loading import Model
-from .sampling import SamplingParams, select
-from .sharding import ShardingRules, constrain, shard_state
-from .strategies import choose_strategy
-from .strategies.base import Context, Counters, DecodeState, Drafter, Prefill, RoundResult
+from .sampling import select
+from .settings import Settings
+from .sharding import ShardingRules, constrain, named_sharding, shard_state
+from .strategies import choose_strategy, default_prefill_chunk
+from .strategies.base import Context, Counters, DecodeState, Drafter, PrefillChunk, RoundResult
 from .verify import verify
 
-MIN_PROMPT_BUCKET = 16
-CACHE_ROUNDING = 128  # cache sizes are rounded up so nearby budgets share one compiled loop
+MIN_BUFFER = 256  # smallest token buffer / cache length; sizes above it are powers of two
 
 _trace_count = 0
 
 
 def trace_count() -> int:
-    """How many times the decode loop has been traced (compiled) in this process; tests use it."""
+    """How many times a loop executable has been traced (compiled) in this process; tests use it."""
     return _trace_count
 
 
@@ -50,7 +56,8 @@ class GenerateOutput:
     accepted: np.ndarray  # [B]
     accepted_hist: np.ndarray  # [B, K+1]: rounds in which a row accepted exactly i drafts
     compile_seconds: float
-    decode_seconds: float
+    decode_seconds: float  # prefill + rounds, compile excluded
+    prefill_seconds: float = float("nan")
     strategy: str = "greedy"
     drafter_summary: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
@@ -84,6 +91,7 @@ class GenerateOutput:
             "mean_accepted_length": self.mean_accepted_length,
             "accepted_length_histogram": self.accepted_hist.sum(0).tolist(),
             "compile_seconds": self.compile_seconds,
+            "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
             "tokens_per_second": self.tokens_per_second,
         }
@@ -91,17 +99,15 @@ class GenerateOutput:
 
 @dataclasses.dataclass(frozen=True)
 class LoopSpec:
-    """Everything static about one compiled loop; equal specs share a compilation."""
+    """Everything static about the loop's executables; equal specs (and argument shapes) share a compilation."""
 
     target_graphdef: Any
     assistant_graphdef: Any
     drafter: Drafter
-    sampling: SamplingParams
+    do_sample: bool
+    ngram_slots: int
     ensemble_weight: float | None
-    eos_ids: tuple[int, ...]
-    pad_id: int
-    prompt_bucket: int
-    cache_size: int
+    prefill_chunk: int
     mesh: Mesh | None
     rules: ShardingRules
 
@@ -114,7 +120,7 @@ class LoopSpec:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Host side: validate, bucket, call, unpack
+# Host side: resolve, validate, place, run, unpack
 
 
 def generate(
@@ -122,11 +128,17 @@ def generate(
     input_ids: Any,
     attention_mask: Any = None,
     *,
-    max_new_tokens: int,
-    do_sample: bool = False,
-    temperature: float = 1.0,
+    max_new_tokens: int | None = None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    no_repeat_ngram_size: int | None = None,
+    min_new_tokens: int | None = None,
+    bad_words_ids: Sequence[Sequence[int]] | None = None,
+    suppress_tokens: Sequence[int] | None = None,
     seed: int = 0,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
@@ -145,39 +157,35 @@ def generate(
     tokenizer: Any = None,
     assistant_tokenizer: Any = None,
 ) -> GenerateOutput:
-    """Generate `max_new_tokens` per row, plainly or with one assisted strategy, in one compiled loop.
+    """Generate up to `max_new_tokens` per row, plainly or with one assisted strategy, in one compiled loop.
 
-    Arguments mirror HF `generate`. Strategy: `assistant_model` (speculative decoding), `prompt_lookup_num_tokens`
-    (n-gram copying), `assistant_early_exit` (the first E layers draft), `use_mtp` (the checkpoint's MTP layers
-    draft; `num_assistant_tokens` defaults to their number); at most one. Draft length:
-    `num_assistant_tokens`, `num_assistant_tokens_schedule`, `assistant_confidence_threshold` passed here win over
-    the drafting model's generation_config, which wins over HF's defaults (20, "constant", 0.4);
-    `max_assistant_tokens` is the static cap of the draft buffer. Greedy output equals plain greedy decoding for
-    every strategy; sampling is exact except with `assistant_ensemble_weight`, which verifies against the mixture
-    w*p + (1-w)*q by design.
+    Arguments mirror HF `generate`; each sampling and processing value comes from the call, else the model's
+    generation_config.json, else HF's default (jaxspec.settings). Strategy: `assistant_model` (speculative
+    decoding), `prompt_lookup_num_tokens` (n-gram copying), `assistant_early_exit` (the first E layers draft),
+    `use_mtp` (the checkpoint's MTP layers draft); at most one. Draft length: see jaxspec.strategies (jaxspec's
+    default schedule, "adaptive", stops drafting while a row's drafts keep being rejected). Greedy output equals
+    plain greedy decoding for every strategy; sampling is exact except with `assistant_ensemble_weight`, which
+    verifies against the mixture w*p + (1-w)*q by design. Only shapes and the strategy are compiled in: new
+    sampling values, penalties or prompts of similar length reuse the executables.
     """
-    sampling = SamplingParams(do_sample=bool(do_sample), temperature=temperature, top_k=top_k, top_p=top_p)
-    choice = choose_strategy(
-        model,
-        do_sample=sampling.do_sample,
-        assistant_model=assistant_model,
-        num_assistant_tokens=num_assistant_tokens,
-        num_assistant_tokens_schedule=num_assistant_tokens_schedule,
-        assistant_confidence_threshold=assistant_confidence_threshold,
-        max_assistant_tokens=max_assistant_tokens,
-        assistant_ensemble_weight=assistant_ensemble_weight,
-        prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-        max_matching_ngram_size=max_matching_ngram_size,
-        assistant_early_exit=assistant_early_exit,
-        use_mtp=use_mtp,
-        tokenizer=tokenizer,
-        assistant_tokenizer=assistant_tokenizer,
+    resolved = settings_lib.resolve(
+        model, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+        min_p=min_p, repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+        min_new_tokens=min_new_tokens, bad_words_ids=bad_words_ids, suppress_tokens=suppress_tokens,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed,
     )
-    output = run_drafter(model, input_ids, attention_mask, choice.drafter, choice.assistant, sampling,
-                         max_new_tokens=max_new_tokens, seed=seed, eos_token_id=eos_token_id,
-                         pad_token_id=pad_token_id, mesh=mesh, sharding_rules=sharding_rules,
-                         ensemble_weight=assistant_ensemble_weight, strategy_name=choice.name)
-    if choice.name == "speculative" and choice.drafter.schedule == "heuristic":
+    choice = choose_strategy(
+        model, do_sample=resolved.do_sample, assistant_model=assistant_model,
+        num_assistant_tokens=num_assistant_tokens, num_assistant_tokens_schedule=num_assistant_tokens_schedule,
+        assistant_confidence_threshold=assistant_confidence_threshold, max_assistant_tokens=max_assistant_tokens,
+        assistant_ensemble_weight=assistant_ensemble_weight, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+        max_matching_ngram_size=max_matching_ngram_size, assistant_early_exit=assistant_early_exit,
+        use_mtp=use_mtp, tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer,
+    )
+    output = run_drafter(model, input_ids, attention_mask, choice.drafter, choice.assistant, resolved, mesh=mesh,
+                         sharding_rules=sharding_rules, ensemble_weight=assistant_ensemble_weight,
+                         strategy_name=choice.name)
+    if choice.name == "speculative" and choice.drafter.schedule.kind == "heuristic":
         # As HF: the "heuristic" schedule's adapted length carries over to the assistant's next call.
         final = output.drafter_summary["num_assistant_tokens"]
         assistant_model.generation_config["num_assistant_tokens"] = int(round(float(final.mean())))
@@ -190,30 +198,23 @@ def run_drafter(
     attention_mask: Any,
     drafter: Drafter,
     assistant: Model | None,
-    sampling: SamplingParams,
+    settings: Settings,
     *,
-    max_new_tokens: int,
-    seed: int = 0,
-    eos_token_id: int | Sequence[int] | None = None,
-    pad_token_id: int | None = None,
     mesh: Mesh | None = None,
     sharding_rules: ShardingRules | None = None,
     ensemble_weight: float | None = None,
     strategy_name: str = "custom",
+    prefill_chunk: int | None = None,
 ) -> GenerateOutput:
     """The loop with a ready-made drafter (for research drafters that `generate`'s arguments do not name)."""
-    prompts = _prompt_rows(input_ids, attention_mask)
-    _check_budget(model, prompts, max_new_tokens)
-    eos_ids = _eos_ids(model, eos_token_id)
-    pad_id = _pad_id(model, pad_token_id, eos_ids)
+    prompts = prompt_rows(input_ids, attention_mask, settings.pad_id, settings.eos_ids)
+    _check_budget(model, prompts, settings.max_new_tokens)
     rules = sharding_rules or ShardingRules()
-
+    chunk = prefill_chunk or default_prefill_chunk()
     batch = len(prompts)
     prompt_lengths = np.array([len(p) for p in prompts], np.int32)
-    prompt_bucket = max(MIN_PROMPT_BUCKET, 1 << int(prompt_lengths.max() - 1).bit_length())
-    k = drafter.max_draft
-    cache_size = -(-(prompt_bucket + max_new_tokens + k + 1) // CACHE_ROUNDING) * CACHE_ROUNDING
-    tokens = np.full((batch, cache_size), pad_id, np.int32)
+    size = buffer_size(int(prompt_lengths.max()) + settings.max_new_tokens + drafter.max_draft + 1, chunk)
+    tokens = np.zeros((batch, size), np.int32)
     for row, prompt in enumerate(prompts):
         tokens[row, : len(prompt)] = prompt
 
@@ -223,61 +224,86 @@ def run_drafter(
         target_state = shard_state(target_state, mesh, rules)
         if assistant_state is not None:
             assistant_state = shard_state(assistant_state, mesh, rules)
-    spec = LoopSpec(
-        target_graphdef, assistant_graphdef, drafter, sampling, ensemble_weight, eos_ids, pad_id,
-        prompt_bucket, cache_size, mesh, rules,
-    )
-    args = (
+    spec = LoopSpec(target_graphdef, assistant_graphdef, drafter, settings.do_sample, settings.ngram_slots,
+                    ensemble_weight, chunk, mesh, rules)
+    # Run-time inputs: new values reuse the executables.
+    inputs = jax.tree.map(jnp.asarray, (settings.processing(model.config.vocab_size), drafter.runtime_inputs()))
+    prefill_args = (
         target_state,
         assistant_state,
-        _place(jnp.asarray(tokens), mesh, rules),
-        _place(jnp.asarray(prompt_lengths), mesh, rules),
-        jnp.asarray(max_new_tokens, jnp.int32),
-        jax.random.key(seed),
+        _place(tokens, mesh, rules),
+        _place(prompt_lengths, mesh, rules),
+        jnp.asarray(settings.max_new_tokens, jnp.int32),
+        jax.random.key(settings.seed),
+        inputs,
     )
     start = time.perf_counter()
-    compiled = _compile(spec, args)
+    prefill = _compile(spec, "prefill", prefill_args)
+    rounds_args = (target_state, assistant_state, prefill.out_info, inputs, jnp.asarray(0, jnp.int32))
+    rounds = _compile(spec, "rounds", rounds_args)
     compile_seconds = time.perf_counter() - start
+
     start = time.perf_counter()
-    final = jax.block_until_ready(compiled(*args))
+    state = jax.block_until_ready(prefill(*prefill_args))
+    prefill_seconds = time.perf_counter() - start
+    no_round_limit = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
+    state = jax.block_until_ready(rounds(target_state, assistant_state, state, inputs, no_round_limit))
     decode_seconds = time.perf_counter() - start
-    return _unpack(final, input_ids, prompts, prompt_lengths, pad_id, compile_seconds, decode_seconds, strategy_name)
+    final = distributed.fetch((state.tokens, state.lengths, state.counters, drafter.summary(state.drafter)))
+    return _unpack(final, input_ids, prompts, prompt_lengths, settings.pad_id, compile_seconds, decode_seconds,
+                   prefill_seconds, strategy_name)
 
 
-MAX_COMPILED_LOOPS = 32  # a long session (a notebook, a test run) should not keep every executable alive
+def buffer_size(needed: int, chunk: int) -> int:
+    """Token buffer / cache length for `needed` positions: a power of two, at least MIN_BUFFER and one chunk (so
+    the prefill's chunks tile it exactly)."""
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"prefill_chunk must be a power of two, got {chunk}.")
+    return max(MIN_BUFFER, chunk, 1 << (needed - 1).bit_length())
+
+
+MAX_COMPILED = 32  # a long session (a notebook, a test run) should not keep every executable alive
 _compiled: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
 
-def _compile(spec: LoopSpec, args):
-    """AOT-compile once per (spec, argument shapes) so compile time is measured apart from decode time."""
+def _compile(spec: LoopSpec, which: str, args):
+    """AOT-compile once per (spec, executable, argument shapes) so compile time is measured apart from decode time."""
     leaves, treedef = jax.tree.flatten(args)
-    key = (spec, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+    key = (spec, which, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
     if key not in _compiled:
-        _compiled[key] = jax.jit(functools.partial(_decode, spec)).lower(*args).compile()
-        while len(_compiled) > MAX_COMPILED_LOOPS:
+        if which == "prefill":
+            fn = jax.jit(functools.partial(_prefill, spec))
+        else:
+            fn = jax.jit(functools.partial(_rounds, spec), donate_argnums=(2,))  # the loop state is updated in place
+        _compiled[key] = fn.lower(*args).compile()
+        while len(_compiled) > MAX_COMPILED:
             _compiled.popitem(last=False)
     _compiled.move_to_end(key)
     return _compiled[key]
 
 
-def _place(x: jax.Array, mesh: Mesh | None, rules: ShardingRules) -> jax.Array:
-    """Batch-major host arrays go to the mesh split along `batch` (replicated if it does not divide)."""
+def _place(x: np.ndarray, mesh: Mesh | None, rules: ShardingRules) -> jax.Array:
+    """Batch-major host arrays go to the mesh split along `batch` (replicated if it does not divide). Every process
+    passes the same array; each places only its own devices' slices."""
     if mesh is None:
-        return x
-    from .sharding import named_sharding
-
+        return jnp.asarray(x)
     axes = ("batch",) + ("seq",) * (x.ndim - 1)
-    return jax.device_put(x, named_sharding(axes, x.shape, mesh, rules))
+    return distributed.global_array(x, named_sharding(axes, x.shape, mesh, rules))
 
 
-def _prompt_rows(input_ids: Any, attention_mask: Any) -> list[np.ndarray]:
-    """Each row's real tokens. Rows may be left- or right-padded (mask zeros at one end), or a ragged list."""
+def prompt_rows(input_ids: Any, attention_mask: Any, pad_id: int, eos_ids: tuple[int, ...]) -> list[np.ndarray]:
+    """Each row's real tokens. Rows may be left- or right-padded (mask zeros at one end), or a ragged list.
+
+    Without a mask, HF infers one from the pad id when the inputs contain it and it is not an EOS id
+    (`_prepare_attention_mask_for_generation`); so does jaxspec.
+    """
     if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, np.ndarray)):
         if attention_mask is None:
             rows = [np.asarray(r, np.int64) for r in input_ids]
             if any(r.ndim != 1 for r in rows):
                 raise ValueError("input_ids rows must be 1-D sequences of token ids.")
-            return _checked_rows(rows)
+            if len({len(r) for r in rows}) > 1:
+                return _checked_rows(rows)  # a ragged list: each row is exactly its tokens
         input_ids = np.asarray(input_ids)
     ids = np.asarray(input_ids)
     if ids.ndim == 1:
@@ -287,7 +313,10 @@ def _prompt_rows(input_ids: Any, attention_mask: Any) -> list[np.ndarray]:
     if ids.shape[0] == 0:
         raise ValueError("input_ids has no rows.")
     if attention_mask is None:
-        return _checked_rows(list(ids))
+        if pad_id in ids and pad_id not in eos_ids:
+            attention_mask = ids != pad_id
+        else:
+            return _checked_rows(list(ids))
     mask = np.asarray(attention_mask)
     if mask.ndim == 1:
         mask = mask[None]
@@ -311,8 +340,6 @@ def _checked_rows(rows: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def _check_budget(model: Model, prompts: list[np.ndarray], max_new_tokens: int) -> None:
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
     longest = max(len(p) for p in prompts)
     limit = model.config.max_position_embeddings
     if longest + max_new_tokens > limit:
@@ -326,22 +353,9 @@ def _check_budget(model: Model, prompts: list[np.ndarray], max_new_tokens: int) 
             raise ValueError(f"Prompt row {b} has token ids outside the vocabulary [0, {vocab}).")
 
 
-def _eos_ids(model: Model, eos_token_id) -> tuple[int, ...]:
-    if eos_token_id is None:
-        return model.eos_token_ids()
-    return tuple(int(e) for e in eos_token_id) if isinstance(eos_token_id, (list, tuple)) else (int(eos_token_id),)
-
-
-def _pad_id(model: Model, pad_token_id, eos_ids) -> int:
-    """As HF: the given pad id, else the model's, else the first EOS id, else 0."""
-    for candidate in (pad_token_id, model.generation_config.get("pad_token_id"), model.config.pad_token_id):
-        if candidate is not None:
-            return int(candidate)
-    return eos_ids[0] if eos_ids else 0
-
-
-def _unpack(final, input_ids, prompts, prompt_lengths, pad_id, compile_seconds, decode_seconds, strategy):
-    tokens, lengths, counters, drafter_summary = jax.device_get(final)
+def _unpack(final, input_ids, prompts, prompt_lengths, pad_id, compile_seconds, decode_seconds, prefill_seconds,
+            strategy):
+    tokens, lengths, counters, drafter_summary = final
     new_counts = lengths - prompt_lengths
     width = int(new_counts.max())
     given = _given_layout(input_ids, prompts, pad_id)
@@ -360,6 +374,7 @@ def _unpack(final, input_ids, prompts, prompt_lengths, pad_id, compile_seconds, 
         accepted_hist=np.asarray(counters.accepted_hist),
         compile_seconds=compile_seconds,
         decode_seconds=decode_seconds,
+        prefill_seconds=prefill_seconds,
         strategy=strategy,
         drafter_summary={k: np.asarray(v) for k, v in drafter_summary.items()},
     )
@@ -383,58 +398,90 @@ def _given_layout(input_ids, prompts, pad_id) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Device side: one jitted function, one while_loop
+# Device side: the prefill and the round loop
 
 
-def _decode(spec: LoopSpec, target_state, assistant_state, tokens, prompt_lengths, max_new_tokens, rng):
-    global _trace_count
-    _trace_count += 1
+def _context(spec: LoopSpec, target_state, assistant_state, inputs) -> Context:
     target = nnx.merge(spec.target_graphdef, target_state)
     assistant = nnx.merge(spec.assistant_graphdef, assistant_state) if spec.assistant_graphdef else None
-    ctx = Context(target=target, assistant=assistant, sampling=spec.sampling, eos_ids=spec.eos_ids, pad_id=spec.pad_id)
-    drafter = spec.drafter
-
-    prefill = _prefill(spec, ctx, tokens, prompt_lengths, max_new_tokens, rng)
-    state = dataclasses.replace(prefill.state, drafter=drafter.init(ctx, prefill))
-
-    def cond(state: DecodeState):
-        some_row_running = ~jnp.all(state.done)  # every row hit EOS or its budget
-        # Cache full: by construction (cache_size >= prompt bucket + budget + K + 1) this never fires; it guards
-        # the buffer bounds should that invariant ever be broken.
-        room_left = jnp.all(state.done | (state.lengths + drafter.max_draft < spec.cache_size))
-        return some_row_running & room_left
-
-    final = jax.lax.while_loop(cond, functools.partial(_round, spec, ctx), state)
-    return final.tokens, final.lengths, final.counters, drafter.summary(final.drafter)
+    processing, draft_inputs = inputs
+    return Context(target=target, assistant=assistant, processing=processing, do_sample=spec.do_sample,
+                   ngram_slots=spec.ngram_slots, draft_inputs=draft_inputs)
 
 
-def _prefill(spec: LoopSpec, ctx: Context, tokens, prompt_lengths, max_new_tokens, rng) -> Prefill:
-    """Run the prompt bucket through the target, pick each row's first new token, and build the loop state."""
-    target, batch = ctx.target, tokens.shape[0]
-    cache = target.init_cache(batch, spec.cache_size)
+def _prefill(spec: LoopSpec, target_state, assistant_state, tokens, prompt_lengths, max_new_tokens, rng,
+             inputs) -> DecodeState:
+    """Read every prompt in chunks of `spec.prefill_chunk` positions, pick each row's first token, build the state."""
+    global _trace_count
+    _trace_count += 1
+    ctx = _context(spec, target_state, assistant_state, inputs)
+    target, drafter = ctx.target, spec.drafter
+    batch, size = tokens.shape
+    chunk = spec.prefill_chunk
+    cache = target.init_cache(batch, size)
     cache = jax.tree.map(lambda x, axes: constrain(x, axes, spec.mesh, spec.rules), cache, type(cache).logical_axes())
-    bucket = spec.prompt_bucket
-    positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
-    x, cache = target.run_layers(target.embed_tokens(tokens[:, :bucket]), positions, cache)
-    hidden = target.final_hidden(x)  # [B, Tp, D]
+    drafter_state = drafter.init(ctx, batch, size)
     rows = jnp.arange(batch)
-    last_logits = target.logits(hidden[rows, prompt_lengths - 1])  # [B, V]
+
+    def read_chunk(index, carry):
+        cache, drafter_state, last_hidden = carry
+        first = index * chunk
+        chunk_tokens = jax.lax.dynamic_slice_in_dim(tokens, first, chunk, axis=1)  # [B, C]
+        positions = jnp.broadcast_to(first + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
+        x, cache = target.run_layers(target.embed_tokens(chunk_tokens), positions, cache)
+        hidden = target.final_hidden(x)  # [B, C, D]
+        last = prompt_lengths - 1 - first  # the row's last prompt position, within this chunk if in [0, C)
+        in_chunk = (last >= 0) & (last < chunk)
+        last_hidden = jnp.where(in_chunk[:, None], hidden[rows, jnp.clip(last, 0, chunk - 1)], last_hidden)
+        valid = positions < prompt_lengths[:, None]
+        drafter_state = drafter.prefill_chunk(ctx, drafter_state, PrefillChunk(chunk_tokens, positions, hidden, valid))
+        return cache, drafter_state, last_hidden
+
+    chunks = (jnp.max(prompt_lengths) + chunk - 1) // chunk
+    last_hidden = jnp.zeros((batch, target.cfg.hidden_size), target.dtype)
+    cache, drafter_state, last_hidden = jax.lax.fori_loop(0, chunks, read_chunk, (cache, drafter_state, last_hidden))
+    logits = target.logits(last_hidden)[:, None]  # [B, 1, V]
+    processed = ctx.process(logits, tokens, prompt_lengths, prompt_lengths)
     rng, first_rng = jax.random.split(rng)
-    first = select(first_rng, last_logits, ctx.sampling)  # [B]
+    first = select(first_rng, processed[:, 0], spec.do_sample)  # [B]
     tokens = tokens.at[rows, prompt_lengths].set(first)
-    done = _is_eos(first, ctx.eos_ids) | (max_new_tokens <= 1)
-    state = DecodeState(
+    done = ctx.is_eos(first) | (max_new_tokens <= 1)
+    return DecodeState(
         tokens=tokens,
         lengths=prompt_lengths + 1,
         prompt_lengths=prompt_lengths,
         budget_end=prompt_lengths + max_new_tokens,
         done=done,
         cache=cache,
-        drafter=(),
+        drafter=drafter_state,
         rng=rng,
-        counters=Counters.zeros(batch, spec.drafter.max_draft),
+        counters=Counters.zeros(batch, drafter.max_draft),
     )
-    return Prefill(hidden=hidden, state=state)
+
+
+def _rounds(spec: LoopSpec, target_state, assistant_state, state: DecodeState, inputs, max_rounds) -> DecodeState:
+    """Run rounds until every row is done, or `max_rounds` rounds have run (the state then resumes in a next call)."""
+    global _trace_count
+    _trace_count += 1
+    ctx = _context(spec, target_state, assistant_state, inputs)
+    size = state.tokens.shape[1]
+    k = spec.drafter.max_draft
+
+    def cond(carry):
+        state, rounds_run = carry
+        some_row_running = ~jnp.all(state.done)  # every row hit EOS or its budget
+        # Cache full: by construction (buffer >= prompt + budget + K + 1) this never fires; it guards the buffer
+        # bounds should that invariant ever be broken.
+        room_left = jnp.all(state.done | (state.lengths + k < size))
+        within_dispatch = rounds_run < max_rounds  # a caller streaming output asked for control back
+        return some_row_running & room_left & within_dispatch
+
+    def body(carry):
+        state, rounds_run = carry
+        return _round(spec, ctx, state), rounds_run + 1
+
+    state, _ = jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
+    return state
 
 
 def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
@@ -442,40 +489,14 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
     rng, draft_rng, verify_rng = jax.random.split(state.rng, 3)
     draft, drafter_state, draft_forwards, cache = drafter.draft(ctx, state, state.drafter, draft_rng)
     count = jnp.where(state.done, 0, jnp.minimum(draft.count, k))  # [B]
+    n, verified, hidden, cache = _verify_round(spec, ctx, state, draft, count, cache, drafter_state, verify_rng)
 
-    widths = spec.verify_widths
-    width_index = jnp.searchsorted(jnp.asarray(widths), jnp.max(count) + 1)
-
-    def verify_at(width: int):
-        def run(operands):
-            cache, drafter_state = operands
-            block = jnp.concatenate([state.last_token[:, None], draft.tokens[:, : width - 1]], axis=1)  # [B, W]
-            positions = state.lengths[:, None] - 1 + jnp.arange(width)[None, :]
-            logits, hidden, cache = drafter.target_forward(ctx, block, positions, cache, drafter_state)
-            probs = None if draft.probs is None else draft.probs[:, : width - 1]
-            n, verified = verify(
-                verify_rng, logits, draft.tokens[:, : width - 1], count, probs, spec.sampling, spec.ensemble_weight
-            )
-            pad = k + 1 - width  # every branch returns the same shapes
-            verified = jnp.pad(verified, ((0, 0), (0, pad)), constant_values=spec.pad_id)
-            hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-            return n, verified, hidden, cache
-
-        return run
-
-    branches = [verify_at(w) for w in widths]
-    operands = (cache, drafter_state)
-    if len(branches) == 1:
-        n, verified, hidden, cache = branches[0](operands)
-    else:
-        n, verified, hidden, cache = jax.lax.switch(width_index, branches, operands)
-
-    committed, hit_eos = _commit_counts(verified, n, state.lengths, state.budget_end, ctx.eos_ids)
+    rows = jnp.arange(count.shape[0])
+    committed, hit_eos = _commit_counts(ctx, verified, n, state.lengths, state.budget_end)
     committed = jnp.where(state.done, 0, committed)
     index = jnp.arange(k + 1)[None, :]
-    rows = jnp.arange(verified.shape[0])[:, None]
-    write_positions = jnp.where(index < committed[:, None], state.lengths[:, None] + index, spec.cache_size)
-    tokens = state.tokens.at[rows, write_positions].set(verified, mode="drop")
+    write_positions = jnp.where(index < committed[:, None], state.lengths[:, None] + index, state.tokens.shape[1])
+    tokens = state.tokens.at[rows[:, None], write_positions].set(verified, mode="drop")
     lengths = state.lengths + committed
     done = state.done | (hit_eos & (committed > 0)) | (lengths >= state.budget_end)
 
@@ -495,17 +516,57 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
     )
 
 
-def _commit_counts(verified, n, lengths, budget_end, eos_ids):
+def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, draft, count, cache, drafter_state, rng):
+    """The target scores `[last, d_1 .. d_W-1]` and verify decides: -> (n [B], tokens [B, K+1], hidden
+    [B, K+1, D], cache).
+
+    The block width W is chosen at run time among `spec.verify_widths`, so a round with few drafts does not pay
+    for K. A round without drafts is a plain step at width 1. Any wider block is padded to K+1 positions and
+    processed and verified once at that width, so processors and verification compile twice, not once per width.
+    """
+    drafter, k = spec.drafter, spec.drafter.max_draft
+    batch = count.shape[0]
+    rows = jnp.arange(batch)
+
+    def forward(width: int, operands):
+        cache, drafter_state = operands
+        block = jnp.concatenate([state.last_token[:, None], draft.tokens[:, : width - 1]], axis=1)  # [B, W]
+        positions = state.lengths[:, None] - 1 + jnp.arange(width)[None, :]
+        logits, hidden, cache = drafter.target_forward(ctx, block, positions, cache, drafter_state)
+        pad = ((0, 0), (0, k + 1 - width), (0, 0))
+        return jnp.pad(logits, pad), jnp.pad(hidden, pad), cache
+
+    def plain_step(operands):
+        logits, hidden, cache = forward(1, operands)
+        processed = ctx.process(logits[:, :1], state.tokens, state.lengths, state.prompt_lengths)
+        token = select(rng, processed[:, 0], spec.do_sample)
+        verified = jnp.zeros((batch, k + 1), jnp.int32).at[:, 0].set(token)
+        return jnp.zeros((batch,), jnp.int32), verified, hidden, cache
+
+    if k == 0:
+        return plain_step((cache, drafter_state))
+
+    def drafted_step(operands):
+        wide = [w for w in spec.verify_widths if w > 1]
+        index = jnp.searchsorted(jnp.asarray(wide), jnp.max(count) + 1)
+        branches = [functools.partial(forward, w) for w in wide]
+        logits, hidden, cache = jax.lax.switch(index, branches, operands) if len(branches) > 1 else branches[0](
+            operands)
+        # Position j judges draft j+1 with the prefix it extends: committed tokens, then d_1 .. d_j.
+        positions = state.lengths[:, None] + jnp.arange(k)[None, :]
+        with_drafts = state.tokens.at[rows[:, None], positions].set(draft.tokens, mode="drop")
+        processed = ctx.process(logits, with_drafts, state.lengths, state.prompt_lengths)
+        n, verified = verify(rng, processed, draft.tokens, count, draft.probs, spec.do_sample, spec.ensemble_weight)
+        return n, verified, hidden, cache
+
+    return jax.lax.cond(jnp.max(count) > 0, drafted_step, plain_step, (cache, drafter_state))
+
+
+def _commit_counts(ctx: Context, verified, n, lengths, budget_end):
     """Tokens each row appends: the n accepted drafts + 1, cut at the budget and just after the first EOS."""
     index = jnp.arange(verified.shape[1])[None, :]
     committed = jnp.minimum(n + 1, budget_end - lengths)  # [B]
-    is_eos = _is_eos(verified, eos_ids) & (index < committed[:, None])  # [B, K+1]
+    is_eos = ctx.is_eos(verified) & (index < committed[:, None])  # [B, K+1]
     first_eos = jnp.argmax(is_eos, axis=1)
     hit_eos = jnp.any(is_eos, axis=1)
     return jnp.where(hit_eos, first_eos + 1, committed), hit_eos
-
-
-def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
-    if not eos_ids:
-        return jnp.zeros(tokens.shape, bool)
-    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))

@@ -1,8 +1,11 @@
 """The one verification rule every strategy shares.
 
-The target has scored `[last, d_1 .. d_{W-1}]` in one forward: `logits[:, i]` is its distribution for the token
-after position i, so it judges draft d_{i+1} and, past the last accepted draft, supplies the next token itself.
-Each row carries its own number of valid drafts (`count`); drafts at or past it are padding and never accepted.
+The target has scored `[last, d_1 .. d_K]` in one forward: `logits[:, i]` is its distribution for the token after
+position i, so it judges draft d_{i+1} and, past the last accepted draft, supplies the next token itself. The
+logits arrive processed (jaxspec.processors), each position with its own prefix, so every rule below judges drafts
+by exactly the distribution plain decoding would have used at that position. Each row carries its own number of
+valid drafts (`count`); drafts at or past it are padding and never accepted, and the positions after them are never
+read (the round may have computed them at a wider block than the row needed).
 
 Returned `tokens[:, :n+1]` are what the row commits: the n accepted drafts, then the target's token at position n
 (the correction after a rejection, or the bonus token when every valid draft was accepted).
@@ -13,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .sampling import SamplingParams, process_logits, sample_from_probs, select
+from .sampling import sample_from_probs, select
 
 
 def leading_true(mask: jax.Array) -> jax.Array:
@@ -23,24 +26,21 @@ def leading_true(mask: jax.Array) -> jax.Array:
 
 def verify(
     rng: jax.Array,
-    target_logits: jax.Array,  # [B, W, V] raw float32
+    target_logits: jax.Array,  # [B, W, V] processed float32
     drafts: jax.Array,  # [B, W-1]
     count: jax.Array,  # [B] valid drafts per row, <= W-1
     draft_probs: jax.Array | None,  # [B, W-1, V] processed q, or None for deterministic drafts
-    params: SamplingParams,
+    do_sample: bool,
     ensemble_weight: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """-> (n_accepted [B], tokens [B, W])."""
     width = target_logits.shape[1]
-    if width == 1:  # no drafts in this round: a plain decoding step
-        return jnp.zeros(count.shape, jnp.int32), select(rng, target_logits, params)
+    if width == 1:  # no drafts: a plain decoding step
+        return jnp.zeros(count.shape, jnp.int32), select(rng, target_logits, do_sample)
     is_draft = jnp.arange(width - 1)[None, :] < count[:, None]  # [B, W-1]
-    if not params.do_sample:
+    if not do_sample:
         return _verify_greedy(target_logits, drafts, is_draft, draft_probs, ensemble_weight)
-    p = jax.nn.softmax(process_logits(target_logits, params), axis=-1)  # [B, W, V]
-    if draft_probs is None:
-        return _verify_by_matching_samples(rng, p, drafts, is_draft)
-    return speculative_sampling(rng, p, drafts, count, draft_probs, ensemble_weight)
+    return speculative_sampling(rng, target_logits, drafts, count, draft_probs, ensemble_weight)
 
 
 def _verify_greedy(target_logits, drafts, is_draft, draft_probs, ensemble_weight):
@@ -56,28 +56,21 @@ def _verify_greedy(target_logits, drafts, is_draft, draft_probs, ensemble_weight
     return n, choice
 
 
-def _verify_by_matching_samples(rng, p, drafts, is_draft):
-    """Deterministic drafts (q one-hot): draw t_i ~ p_i at every position and accept while t_i == d_i.
-
-    This is speculative sampling with a one-hot q: d is accepted with probability p(d), and a rejection emits a
-    draw from p conditioned on not being d, i.e. normalize(max(p - q, 0)). So the output is exactly p.
-    """
-    t = sample_from_probs(rng, p)  # [B, W]
-    n = leading_true((drafts == t[:, :-1]) & is_draft)
-    return n, t
-
-
-def speculative_sampling(rng, p, drafts, count, q, ensemble_weight=None):
+def speculative_sampling(rng, target_logits, drafts, count, q, ensemble_weight=None):
     """Exact speculative sampling (Leviathan et al.; Chen et al.), optionally against the static ensemble.
 
-    p: [B, W, V] processed target distributions; q: [B, W-1, V] processed draft distributions from which the
-    drafts were sampled. Accept d_i with probability min(1, p/q) (ensemble: min(1, (1-w) + w p/q)); at the first
-    rejection draw from normalize(max(p - q, 0)); if every valid draft is accepted, draw the bonus token from p.
+    target_logits: [B, W, V] processed; q: [B, W-1, V] processed draft distributions from which the drafts were
+    drawn, or None for deterministic drafts (a one-hot q: accept d with probability p(d), and after a rejection
+    draw from p without d). Accept d_i with probability min(1, p/q) (ensemble: min(1, (1-w) +
+    w p/q)); at the first rejection draw from normalize(max(p - q, 0)); if every valid draft is accepted, draw the
+    bonus token from p. Only the accepted drafts' probabilities and one full distribution per row are needed.
     """
     accept_rng, residual_rng = jax.random.split(rng)
-    width = p.shape[1]
-    p_d = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]  # [B, W-1]
-    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    width = target_logits.shape[1]
+    rows = jnp.arange(target_logits.shape[0])
+    drafted_logit = jnp.take_along_axis(target_logits[:, :-1], drafts[..., None], axis=-1)[..., 0]  # [B, W-1]
+    p_d = jnp.exp(drafted_logit - jax.nn.logsumexp(target_logits[:, :-1], axis=-1))
+    q_d = 1.0 if q is None else jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     ratio = p_d / q_d
     if ensemble_weight is not None:
         ratio = (1 - ensemble_weight) + ensemble_weight * ratio
@@ -85,11 +78,14 @@ def speculative_sampling(rng, p, drafts, count, q, ensemble_weight=None):
     is_draft = jnp.arange(width - 1)[None, :] < count[:, None]
     n = leading_true((u <= ratio) & is_draft)  # [B]
 
-    rows = jnp.arange(p.shape[0])
-    p_n = p[rows, n]  # [B, V]
-    q_padded = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # [B, W, V]; no q after the last draft
+    p_n = jax.nn.softmax(target_logits[rows, n], axis=-1)  # [B, V]
+    if q is None:
+        q_n = jax.nn.one_hot(jnp.take_along_axis(drafts, jnp.minimum(n, width - 2)[:, None], axis=1)[:, 0],
+                             p_n.shape[-1], dtype=p_n.dtype)
+    else:
+        q_n = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)[rows, n]  # no q after the last draft
     rejected = n < count
-    residual = jnp.where(rejected[:, None], jnp.maximum(p_n - q_padded[rows, n], 0.0), p_n)
+    residual = jnp.where(rejected[:, None], jnp.maximum(p_n - q_n, 0.0), p_n)
     # [p - q]+ has zero mass only if p == q there, where rejection has probability zero; fall back to p (HF's
     # ensemble fallback) so float round-off can never produce a NaN draw.
     residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > jnp.finfo(jnp.float32).tiny, residual, p_n)

@@ -1,14 +1,38 @@
-"""HF-style generate() arguments -> one drafter. Every check here runs on the host, before anything compiles."""
+"""HF-style generate() arguments -> one drafter. Every check here runs on the host, before anything compiles.
+
+Draft-length settings (`num_assistant_tokens`, `num_assistant_tokens_schedule`, `assistant_confidence_threshold`)
+passed to `generate` win; then the drafting model's generation_config (the assistant's, or the target's own for
+early exit), as HF reads it; then the defaults. jaxspec's default schedule is "adaptive" for every drafter (HF's is
+"constant"); pass "constant" for HF's behaviour. An argument the chosen strategy does not use is an error that
+names it: nothing is ignored in silence.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from .base import Drafter
+import jax
 
-HF_DEFAULTS = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
-               "assistant_confidence_threshold": 0.4}
+from .base import SCHEDULES, Drafter, Schedule
+
+# HF's defaults for the assistant's settings, except the schedule (see the module docstring).
+DEFAULTS = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "adaptive",
+            "assistant_confidence_threshold": 0.4}
+# The static draft-buffer size K of the growing schedules when max_assistant_tokens is not given. It does not depend
+# on the assistant's persisted num_assistant_tokens, so repeated calls reuse one compiled loop.
+DEFAULT_MAX_ASSISTANT_TOKENS = 16
+
+# The strategy arguments each strategy reads; any other one passed (not None) is an error.
+USES = {
+    "greedy": set(),
+    "speculative": {"assistant_model", "num_assistant_tokens", "num_assistant_tokens_schedule",
+                    "assistant_confidence_threshold", "max_assistant_tokens", "assistant_ensemble_weight"},
+    "early_exit": {"assistant_early_exit", "num_assistant_tokens", "num_assistant_tokens_schedule",
+                   "assistant_confidence_threshold", "max_assistant_tokens", "assistant_ensemble_weight"},
+    "prompt_lookup": {"prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens_schedule"},
+    "mtp": {"use_mtp", "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_ensemble_weight"},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,81 +42,77 @@ class StrategyChoice:
     assistant: Any = None  # the Model whose weights the drafter runs, if any
 
 
-def choose_strategy(
-    model,
-    *,
-    do_sample: bool,
-    assistant_model=None,
-    num_assistant_tokens: int | None = None,
-    num_assistant_tokens_schedule: str | None = None,
-    assistant_confidence_threshold: float | None = None,
-    max_assistant_tokens: int | None = None,
-    assistant_ensemble_weight: float | None = None,
-    prompt_lookup_num_tokens: int | None = None,
-    max_matching_ngram_size: int | None = None,
-    assistant_early_exit: int | None = None,
-    use_mtp: bool = False,
-    tokenizer=None,
-    assistant_tokenizer=None,
-) -> StrategyChoice:
-    chosen = [name for name, value in (
-        ("assistant_model", assistant_model),
-        ("prompt_lookup_num_tokens", prompt_lookup_num_tokens),
-        ("assistant_early_exit", assistant_early_exit),
-        ("use_mtp", use_mtp or None),
-    ) if value is not None]
-    if len(chosen) > 1:
+def default_prefill_chunk() -> int:
+    """Prompt tokens the target reads per forward: small on CPUs (compute-bound already), larger elsewhere."""
+    return 64 if jax.default_backend() == "cpu" else 256
+
+
+def choose_strategy(model, *, do_sample: bool, prefill_chunk: int | None = None, **arguments) -> StrategyChoice:
+    """`arguments`: generate()'s strategy keyword arguments (None: not given)."""
+    given = {name for name, value in arguments.items() if value is not None and value is not False}
+    triggers = [name for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+                if name in given]
+    if len(triggers) > 1:
         # HF silently lets one win by a fixed precedence; a silent choice hides a mistake, so say it.
-        raise ValueError(f"Choose one assisted-decoding strategy; got {chosen}.")
-    if assistant_ensemble_weight is not None and not 0.0 < assistant_ensemble_weight < 1.0:
-        raise ValueError(
-            f"assistant_ensemble_weight must be in the open interval (0, 1), got {assistant_ensemble_weight}. "
-            "Use None for standard (lossless) speculative decoding."
-        )
-    if not chosen:
-        if assistant_ensemble_weight is not None:
-            raise ValueError("assistant_ensemble_weight needs a drafter that produces draft distributions "
-                             "(assistant_model, assistant_early_exit or use_mtp).")
+        raise ValueError(f"Choose one assisted-decoding strategy; got {triggers}.")
+    name = {"assistant_model": "speculative", "prompt_lookup_num_tokens": "prompt_lookup",
+            "assistant_early_exit": "early_exit", "use_mtp": "mtp"}.get(triggers[0] if triggers else "", "greedy")
+    if given & {"tokenizer", "assistant_tokenizer"}:
+        if name != "speculative":
+            raise ValueError("tokenizer= and assistant_tokenizer= are for an assistant_model with another tokenizer.")
+        raise NotImplementedError("Universal assisted decoding (an assistant with a different tokenizer, "
+                                  "tokenizer= and assistant_tokenizer=) is not supported yet.")
+    unused = sorted(given - USES[name])
+    if unused:
+        what = "plain decoding" if name == "greedy" else f"the {name} strategy"
+        raise ValueError(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used by {what}; "
+                         "remove it (jaxspec does not ignore arguments in silence).")
+    weight = arguments.get("assistant_ensemble_weight")
+    if weight is not None and not 0.0 < weight < 1.0:
+        raise ValueError(f"assistant_ensemble_weight must be in the open interval (0, 1), got {weight}. "
+                         "Use None for standard (lossless) speculative decoding.")
+    keep_probs = do_sample or weight is not None
+    if name == "greedy":
         return StrategyChoice("sample" if do_sample else "greedy", Drafter())
-
-    if prompt_lookup_num_tokens is not None:
-        from .prompt_lookup import PromptLookupDrafter
-
-        if assistant_ensemble_weight is not None:
-            raise ValueError("assistant_ensemble_weight requires draft distributions; prompt lookup has none "
-                             "(its drafts are copied tokens).")
-        _check_positive_int("prompt_lookup_num_tokens", prompt_lookup_num_tokens)
-        ngram = max_matching_ngram_size or 2  # HF: `or 2`, so 0 also means 2
-        _check_positive_int("max_matching_ngram_size", ngram)
-        return StrategyChoice("prompt_lookup", PromptLookupDrafter(max_draft=prompt_lookup_num_tokens,
-                                                                   max_ngram=ngram))
-
-    keep_probs = do_sample or assistant_ensemble_weight is not None
-    if use_mtp:
-        return _mtp_strategy(model, num_assistant_tokens, num_assistant_tokens_schedule,
-                             assistant_confidence_threshold, keep_probs)
-
-    settings = _draft_length_settings(
-        assistant_model if assistant_model is not None else model,
-        num_assistant_tokens, num_assistant_tokens_schedule, assistant_confidence_threshold, max_assistant_tokens,
-    )
-    if assistant_early_exit is not None:
+    if name == "prompt_lookup":
+        return _prompt_lookup(arguments)
+    if name == "mtp":
+        return _mtp(model, arguments, keep_probs)
+    source = arguments["assistant_model"] if name == "speculative" else model
+    if name == "speculative":
+        _check_assistant(model, source)
+    max_draft, schedule, threshold = _draft_length(source, arguments)
+    if name == "early_exit":
         from .early_exit import EarlyExitDrafter
 
-        layers = model.config.num_layers
-        if not isinstance(assistant_early_exit, int) or not 1 <= assistant_early_exit <= layers - 1:
+        exit_layer, layers = arguments["assistant_early_exit"], model.config.num_layers
+        if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer <= layers - 1:
             raise ValueError(f"assistant_early_exit must be a layer count in 1..{layers - 1} (the model has {layers} "
-                             f"layers), got {assistant_early_exit!r}.")
-        return StrategyChoice("early_exit", EarlyExitDrafter(exit_layer=assistant_early_exit, keep_probs=keep_probs,
-                                                             **settings))
-
+                             f"layers), got {exit_layer!r}.")
+        return StrategyChoice("early_exit", EarlyExitDrafter(max_draft=max_draft, schedule=schedule,
+                                                             confidence_threshold=threshold, keep_probs=keep_probs,
+                                                             exit_layer=exit_layer))
     from .draft_model import DraftModelDrafter
 
-    _check_assistant(model, assistant_model, tokenizer, assistant_tokenizer)
-    return StrategyChoice("speculative", DraftModelDrafter(keep_probs=keep_probs, **settings), assistant_model)
+    drafter = DraftModelDrafter(max_draft=max_draft, schedule=schedule, confidence_threshold=threshold,
+                                keep_probs=keep_probs, catch_up_width=prefill_chunk or default_prefill_chunk())
+    return StrategyChoice("speculative", drafter, source)
 
 
-def _mtp_strategy(model, num_tokens, schedule, threshold, keep_probs) -> StrategyChoice:
+def _prompt_lookup(arguments) -> StrategyChoice:
+    from .prompt_lookup import PromptLookupDrafter
+
+    k = arguments["prompt_lookup_num_tokens"]
+    _check_positive_int("prompt_lookup_num_tokens", k)
+    ngram = arguments.get("max_matching_ngram_size") or 2  # HF: `or 2`, so 0 also means 2
+    _check_positive_int("max_matching_ngram_size", ngram)
+    kind = _schedule_kind(arguments.get("num_assistant_tokens_schedule") or "adaptive", ("adaptive", "constant"),
+                          "prompt lookup")
+    return StrategyChoice("prompt_lookup", PromptLookupDrafter(max_draft=k, max_ngram=ngram,
+                                                               schedule=Schedule(kind, initial=k)))
+
+
+def _mtp(model, arguments, keep_probs: bool) -> StrategyChoice:
     from .mtp import MtpDrafter
 
     layers = getattr(model.module, "num_mtp_layers", 0)
@@ -101,50 +121,54 @@ def _mtp_strategy(model, num_tokens, schedule, threshold, keep_probs) -> Strateg
             f"use_mtp=True needs multi-token-prediction layers, but this {model.config.__class__.__name__} has none "
             "(config.json's num_nextn_predict_layers is 0 or absent, or the family has no MTP layers)."
         )
-    if schedule not in (None, "constant") or threshold is not None:
-        raise ValueError("MTP drafts a fixed number of tokens per round: num_assistant_tokens_schedule and "
-                         "assistant_confidence_threshold do not apply to use_mtp=True.")
-    drafts = layers if num_tokens is None else num_tokens
+    drafts = arguments.get("num_assistant_tokens") or layers
     _check_positive_int("num_assistant_tokens", drafts)
-    return StrategyChoice("mtp", MtpDrafter(max_draft=int(drafts), num_layers=layers, keep_probs=keep_probs))
+    kind = _schedule_kind(arguments.get("num_assistant_tokens_schedule") or "adaptive", ("adaptive", "constant"),
+                          "use_mtp")
+    return StrategyChoice("mtp", MtpDrafter(max_draft=int(drafts), num_layers=layers, keep_probs=keep_probs,
+                                            schedule=Schedule(kind, initial=int(drafts))))
 
 
-def _draft_length_settings(source_model, num_tokens, schedule, threshold, cap) -> dict[str, Any]:
-    """Arguments passed to generate win; then the drafting model's generation_config; then HF's defaults."""
-    from .draft_model import SCHEDULES
-
+def _draft_length(source_model, arguments) -> tuple[int, Schedule, float]:
+    """(K, schedule, confidence threshold) of an assistant or early-exit drafter."""
     config = getattr(source_model, "generation_config", {}) or {}
 
-    def pick(name, value):
-        if value is not None:
-            return value
-        return config.get(name) if config.get(name) is not None else HF_DEFAULTS[name]
+    def pick(name):
+        if arguments.get(name) is not None:
+            return arguments[name]
+        return config[name] if config.get(name) is not None else DEFAULTS[name]
 
-    num_tokens = pick("num_assistant_tokens", num_tokens)
-    schedule = pick("num_assistant_tokens_schedule", schedule)
-    threshold = pick("assistant_confidence_threshold", threshold)
+    num_tokens, kind, threshold = (pick(name) for name in DEFAULTS)
     _check_positive_int("num_assistant_tokens", num_tokens)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"Unknown num_assistant_tokens_schedule {schedule!r}; choose one of {SCHEDULES}.")
+    kind = _schedule_kind(kind, SCHEDULES, "this strategy")
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"assistant_confidence_threshold must be in [0, 1] (0 disables it), got {threshold}.")
-    if cap is None:
-        # The heuristic schedules grow the draft length by 2 per fully accepted round; the draft buffer is static,
-        # so growth stops at twice the starting length unless max_assistant_tokens says otherwise.
-        cap = num_tokens if schedule == "constant" else 2 * num_tokens
-    _check_positive_int("max_assistant_tokens", cap)
-    if cap < num_tokens:
-        raise ValueError(f"max_assistant_tokens ({cap}) must be >= num_assistant_tokens ({num_tokens}).")
-    return dict(max_draft=int(cap), num_assistant_tokens=int(num_tokens), schedule=schedule,
-                confidence_threshold=float(threshold))
+    cap = arguments.get("max_assistant_tokens")
+    if cap is not None:
+        _check_positive_int("max_assistant_tokens", cap)
+    if kind == "constant":
+        if cap is not None and cap < num_tokens:
+            raise ValueError(f"max_assistant_tokens ({cap}) must be >= num_assistant_tokens ({num_tokens}).")
+        max_draft = num_tokens if cap is None else cap
+    else:
+        max_draft = DEFAULT_MAX_ASSISTANT_TOKENS if cap is None else cap
+        passed = arguments.get("num_assistant_tokens")
+        if passed is not None and passed > max_draft:
+            raise ValueError(f"num_assistant_tokens ({passed}) exceeds max_assistant_tokens ({max_draft}), the static "
+                             f"draft-buffer size of the {kind!r} schedule; pass a larger max_assistant_tokens.")
+        num_tokens = min(num_tokens, max_draft)  # a persisted or default length above the buffer starts at the cap
+    return int(max_draft), Schedule(kind, initial=int(num_tokens)), float(threshold)
 
 
-def _check_assistant(model, assistant, tokenizer, assistant_tokenizer) -> None:
+def _schedule_kind(kind, allowed, where: str) -> str:
+    if kind not in allowed:
+        raise ValueError(f"Unknown num_assistant_tokens_schedule {kind!r} for {where}; choose one of {allowed}.")
+    return kind
+
+
+def _check_assistant(model, assistant) -> None:
     if not hasattr(assistant, "module") or not hasattr(assistant, "config"):
         raise TypeError("assistant_model must be a model returned by jaxspec.load.")
-    if tokenizer is not None or assistant_tokenizer is not None:
-        raise NotImplementedError("Universal assisted decoding (an assistant with a different tokenizer, "
-                                  "tokenizer= and assistant_tokenizer=) is not supported yet.")
     if assistant.config.vocab_size != model.config.vocab_size:
         raise ValueError(
             f"The assistant's vocabulary ({assistant.config.vocab_size}) differs from the target's "

@@ -1,13 +1,13 @@
-"""The drafter interface and the loop state it reads.
+"""The drafter interface, the loop state it reads, and the draft-length schedules every drafter shares.
 
 A strategy is a drafter: a frozen dataclass of static settings with pure functions over its own state pytree.
-The decode loop calls, each round:
 
-    draft(ctx, loop, state, rng) -> (Draft, state, forwards, target cache)   propose up to K tokens per row
-    update(ctx, state, result)   -> state                 learn what was committed (roll caches back, adapt K)
+    init(ctx, batch, size)         -> state     before the prompt is read
+    prefill_chunk(ctx, state, chunk) -> state   once per chunk of the prompt the target reads (its hidden states)
+    draft(ctx, loop, state, rng)   -> (Draft, state, forwards, target cache)   propose up to K tokens per row
+    update(ctx, state, result)     -> state     learn what was committed (roll caches back, adapt the length)
 
-and `init(ctx, prefill)` once after the target has read the prompt. `Draft.probs is None` means deterministic
-drafts (one-hot q), which is what keeps sampling exact for n-gram and argmax drafters.
+`Draft.probs is None` means deterministic drafts (one-hot q), which is what keeps sampling exact for n-gram drafts.
 """
 
 from __future__ import annotations
@@ -17,10 +17,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ..cache import KVCache
-from ..sampling import SamplingParams
+from ..processors import History, Processing, process
+
+SCHEDULES = ("adaptive", "constant", "heuristic", "heuristic_transient")
+# Adaptive schedule: a row that keeps missing stops drafting for 1, 2, 4, ... rounds, at most this many.
+MAX_COOLDOWN = 32
 
 
 @jax.tree_util.register_dataclass
@@ -58,7 +63,7 @@ class DecodeState:
     """The while_loop carry. Invariant: row b has committed tokens[b, :lengths[b]]; the target cache holds
     positions [0, lengths[b] - 1) (the newest token is fed in the next round)."""
 
-    tokens: jax.Array  # [B, S] prompt (left-aligned) + generated tokens, pad after lengths
+    tokens: jax.Array  # [B, S] prompt (left-aligned) + generated tokens
     lengths: jax.Array  # [B]
     prompt_lengths: jax.Array  # [B]
     budget_end: jax.Array  # [B] prompt length + max_new_tokens: a row is done when its length reaches it
@@ -73,12 +78,15 @@ class DecodeState:
         return jnp.take_along_axis(self.tokens, self.lengths[:, None] - 1, axis=1)[:, 0]
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Prefill:
-    """What the target produced reading the prompt: final-normed hidden states [B, Tp, D], and the state."""
+class PrefillChunk:
+    """One chunk of the prompt as the target read it (every row reads the same positions)."""
 
-    hidden: jax.Array
-    state: DecodeState
+    tokens: jax.Array  # [B, C]
+    positions: jax.Array  # [B, C]
+    hidden: jax.Array  # [B, C, D] the target's final-normed hidden states
+    valid: jax.Array  # [B, C] bool: a prompt position (past a row's prompt the chunk holds padding)
 
 
 @jax.tree_util.register_dataclass
@@ -100,9 +108,77 @@ class Context:
 
     target: nnx.Module
     assistant: nnx.Module | None
-    sampling: SamplingParams
-    eos_ids: tuple[int, ...]
-    pad_id: int
+    processing: Processing  # run-time logits settings (arrays)
+    do_sample: bool
+    ngram_slots: int
+    draft_inputs: dict[str, jax.Array]  # the drafter's run-time settings (`Drafter.runtime_inputs`)
+
+    def process(self, logits: jax.Array, tokens: jax.Array, start: jax.Array, prompt_lengths: jax.Array) -> jax.Array:
+        """Processed logits [B, W, V] for positions whose prefix is tokens[b, :start[b] + j]."""
+        history = History(tokens=tokens, start=start, prompt_lengths=prompt_lengths)
+        return process(logits, history, self.processing, self.do_sample, self.ngram_slots)
+
+    def is_eos(self, tokens: jax.Array) -> jax.Array:
+        return jnp.isin(tokens, self.processing.eos)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftLength:
+    """Each row's draft-length schedule state."""
+
+    num_tokens: jax.Array  # [B] the row's next draft length, 1..K
+    misses: jax.Array  # [B] consecutive drafting rounds in which nothing was accepted (adaptive)
+    cooldown: jax.Array  # [B] rounds left in which the row does not draft (adaptive)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How a row's draft length follows what verification accepted.
+
+    - "adaptive" (jaxspec's default for every drafter): after a round whose drafts were all accepted the length
+      doubles (at least +2), after a partial acceptance it becomes accepted + 1, and after a round in which nothing
+      was accepted it drops to 1; a row that misses twice in a row stops drafting for 1 round, then 2, 4, ... up to
+      MAX_COOLDOWN, and probes again with one draft. On text the drafter cannot predict, the overhead over plain
+      decoding is then one probe every ~33 rounds; on text it predicts, the length reaches K within a few rounds.
+    - "constant": always K (HF's default for assistants, and what HF's prompt lookup does).
+    - "heuristic" / "heuristic_transient": HF's rule, +2 after a round in which every draft was accepted (a round
+      without drafts counts, as in HF), else -1, never below 1, capped by K.
+    """
+
+    kind: str = "adaptive"
+    # The first round's draft length (1..K). A run-time input of the loop (`Drafter.runtime_inputs`), not part of
+    # the compiled program: HF's "heuristic" schedule changes it on every call.
+    initial: int = dataclasses.field(default=1, compare=False)
+
+    def init(self, batch: int, initial: jax.Array) -> DraftLength:
+        zeros = jnp.zeros((batch,), jnp.int32)
+        return DraftLength(num_tokens=jnp.full((batch,), initial, jnp.int32), misses=zeros, cooldown=zeros)
+
+    def allowed(self, state: DraftLength) -> jax.Array:
+        """[B] how many drafts each row may propose this round."""
+        return jnp.where(state.cooldown > 0, 0, state.num_tokens)
+
+    def update(self, state: DraftLength, result: RoundResult, cap: int) -> DraftLength:
+        """`cap`: K, the static size of the draft buffer."""
+        active = result.committed > 0  # finished rows keep their state
+        if self.kind == "constant":
+            return state
+        if self.kind in ("heuristic", "heuristic_transient"):
+            grown = jnp.where(result.accepted == result.drafted, state.num_tokens + 2,
+                              jnp.maximum(state.num_tokens - 1, 1))
+            return dataclasses.replace(state, num_tokens=jnp.where(active, jnp.minimum(grown, cap),
+                                                                   state.num_tokens))
+        tried = active & (result.drafted > 0)
+        all_accepted = tried & (result.accepted == result.drafted)
+        missed = tried & (result.accepted == 0)
+        num_tokens = jnp.where(all_accepted, jnp.minimum(cap, state.num_tokens + jnp.maximum(state.num_tokens, 2)),
+                               jnp.where(tried, jnp.clip(result.accepted + 1, 1, cap), state.num_tokens))
+        misses = jnp.where(missed, state.misses + 1, jnp.where(tried, 0, state.misses))
+        backoff = jnp.minimum(jnp.left_shift(1, jnp.clip(misses - 2, 0, 8)), MAX_COOLDOWN)
+        cooldown = jnp.where(missed & (misses >= 2), backoff,
+                             jnp.where(active & ~tried, jnp.maximum(state.cooldown - 1, 0), state.cooldown))
+        return DraftLength(num_tokens=num_tokens, misses=misses, cooldown=cooldown)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +186,17 @@ class Drafter:
     """Base class: the k = 0 drafter (plain decoding). Subclasses override what they need."""
 
     max_draft: int = 0  # K, the static size of every draft buffer
-    provides_probs: bool = False
 
-    def init(self, ctx: Context, prefill: Prefill) -> Any:
+    def runtime_inputs(self) -> dict[str, np.ndarray]:
+        """Settings that enter the loop as arrays, so new values reuse the executable. A drafter reads them from
+        `ctx.draft_inputs`, never from its own fields (which are excluded from the compile key: `compare=False`)."""
+        return {}
+
+    def init(self, ctx: Context, batch: int, size: int) -> Any:
         return ()
+
+    def prefill_chunk(self, ctx: Context, state: Any, chunk: PrefillChunk) -> Any:
+        return state
 
     def draft(self, ctx: Context, loop: DecodeState, state: Any, rng: jax.Array):
         """-> (draft, new state, drafter network forwards this round, target cache).
@@ -134,3 +217,8 @@ class Drafter:
     def target_forward(self, ctx: Context, tokens, positions, cache, state):
         """The verifying forward: `(logits, hidden, cache)`. Early exit overrides it to reuse its layers."""
         return ctx.target(tokens, positions, cache)
+
+
+def room_for_drafts(loop: DecodeState) -> jax.Array:
+    """[B] drafts a row can still use: never more than its budget allows after the target's own token."""
+    return jnp.where(loop.done, 0, jnp.maximum(loop.budget_end - loop.lengths - 1, 0))

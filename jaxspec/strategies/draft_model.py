@@ -1,13 +1,19 @@
 """Speculative decoding with a smaller assistant model that keeps its own KV cache.
 
-Each round the assistant re-reads the last two committed tokens at positions [L-2, L-1], then drafts one token per
-step. Re-reading two tokens is what makes rollback free: whatever was accepted last round, every assistant cache
-entry below L-2 holds a committed token (accepted drafts were fed while drafting; the bonus token and, after a
-fully accepted round, the last draft were not), and entries at L-2 and above are rewritten now.
+The assistant's cache is position-indexed like the target's, and `synced[b]` says how many positions of row b it
+holds valid. Each drafting round first catches up: it feeds the committed tokens [synced, L) (after a normal round
+one or two: the token the target produced, and the last accepted draft, which was never fed), which also yields
+the logits of the first draft; then it drafts one token per step. Rollback after a rejection is a length: `synced`
+drops to the last accepted position, and stale entries past it are rewritten before any query can see them.
 
-Draft length per row: `num_tokens` (adapted by the heuristic schedules), capped by the row's remaining budget,
+Catching up from any distance is what lets a row stop drafting while the assistant keeps missing (the adaptive
+schedule) without paying an assistant forward per token, and it reads the prompt the same way on the first round:
+in chunks of the prefill width when far behind, in a width-2 block otherwise.
+
+Draft length per row: the schedule's length (jaxspec/strategies/base.py), capped by the row's remaining budget,
 stopped early after a token whose draft probability is below `confidence_threshold` (that token is kept), or after
-an EOS. Rows stop independently; the step loop ends as soon as no row is drafting.
+an EOS. Rows stop independently; the step loop ends as soon as no row is drafting, and a round in which no row
+drafts does not run the assistant at all.
 """
 
 from __future__ import annotations
@@ -17,116 +23,155 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ..sampling import process_logits, sample
-from .base import Context, DecodeState, Draft, Drafter, Prefill, RoundResult
+from ..sampling import select
+from .base import (Context, DecodeState, Draft, Drafter, DraftLength, RoundResult, Schedule,
+                   room_for_drafts)
 
-SCHEDULES = ("constant", "heuristic", "heuristic_transient")
-
-# feed(carry, token[B], positions[B, 1], slot) -> (logits[B, V], carry): run the drafting network on one token.
+# feed(carry, token[B], positions[B, 1], slot) -> (logits[B, V], carry): run the drafting network on draft `slot`
+# (1-based; it sits at position L - 1 + slot) and return its logits, which predict the next draft.
 Feed = Callable[[Any, jax.Array, jax.Array, int], tuple[jax.Array, Any]]
+
+STEADY_CATCH_UP = 2  # after a normal round the assistant is at most this many committed tokens behind
 
 
 @dataclasses.dataclass(frozen=True)
 class AutoregressiveDrafter(Drafter):
-    """Shared by drafters that run a network one token at a time: draft-length settings, the step loop, and the
-    heuristic schedule. `num_tokens` in the state is each row's current draft length."""
+    """Shared by drafters that run a network one token at a time: the schedule, the confidence stop, the step loop."""
 
-    num_assistant_tokens: int = 20
-    schedule: str = "constant"
-    confidence_threshold: float = 0.4
+    schedule: Schedule = Schedule()
+    confidence_threshold: float = dataclasses.field(default=0.4, compare=False)  # a run-time input
     keep_probs: bool = False  # q is needed for speculative sampling and ensemble verification only
 
-    def initial_num_tokens(self, batch: int) -> jax.Array:
-        return jnp.full((batch,), min(self.num_assistant_tokens, self.max_draft), jnp.int32)
+    def runtime_inputs(self) -> dict[str, np.ndarray]:
+        return {"initial_draft_length": np.int32(self.schedule.initial),
+                "confidence_threshold": np.float32(self.confidence_threshold)}
 
-    def draft_loop(self, ctx: Context, loop: DecodeState, num_tokens, first_logits, feed: Feed, carry, rng):
+    def draft_limit(self, loop: DecodeState, length: DraftLength) -> jax.Array:
+        """[B] drafts each row may propose this round: its schedule's length, within its budget."""
+        return jnp.minimum(self.schedule.allowed(length), room_for_drafts(loop))
+
+    def draft_loop(self, ctx: Context, loop: DecodeState, limit, first_logits, feed: Feed, carry, rng):
         """Draft from `first_logits` ([B, V], predicting position L), feeding each draft back through `feed`.
 
-        Returns (Draft, carry, forwards), where forwards counts `feed` calls plus the one that made first_logits.
+        Returns (Draft, carry, feeds). Draft i is chosen from the drafter's logits processed with the prefix it
+        extends (committed tokens and drafts 1..i-1), exactly as the target's logits are processed when verifying.
         """
         k, batch = self.max_draft, loop.lengths.shape[0]
         rows = jnp.arange(batch)
-        # HF: never draft more than the row can still commit, keeping one slot for the target's own token.
-        limit = jnp.where(loop.done, 0, jnp.minimum(num_tokens, loop.budget_end - loop.lengths - 1))  # [B]
-        eos_ids = jnp.asarray(ctx.eos_ids or (-1,), jnp.int32)
-        rngs = jax.random.split(rng, k)
 
-        def next_token(logits, step_rng):  # [B, V] -> token [B], q(token) [B], q [B, V]
-            processed = process_logits(logits, ctx.sampling)
-            probs = jax.nn.softmax(processed, axis=-1)
-            token = sample(step_rng, processed) if ctx.sampling.do_sample else jnp.argmax(logits, -1).astype(jnp.int32)
-            return token, probs[rows, token], probs
-
-        def record(i, logits, tokens, probs, active, count):
-            """Draft token i; keep it for rows still drafting; decide which rows draft again."""
-            token, q_token, q = next_token(logits, rngs[i])
-            tokens = tokens.at[:, i].set(jnp.where(active, token, 0))
+        def step(state):
+            i, carry, logits, buffer, tokens, probs, active, count, feeds = state
+            processed = ctx.process(logits[:, None], buffer, loop.lengths + i, loop.prompt_lengths)[:, 0]  # [B, V]
+            q = jax.nn.softmax(processed, axis=-1)
+            token = jnp.where(active, select(jax.random.fold_in(rng, i), processed, ctx.do_sample), 0)
+            tokens = tokens.at[:, i].set(token)
+            buffer = buffer.at[rows, loop.lengths + i].set(token, mode="drop")
             if probs is not None:
                 probs = probs.at[:, i].set(q)
             count = count + active
-            keep_going = (q_token >= self.confidence_threshold) & ~jnp.isin(token, eos_ids) & (count < limit)
-            return token, tokens, probs, active & keep_going, count
+            confident = q[rows, token] >= ctx.draft_inputs["confidence_threshold"]  # HF keeps it, then stops
+            active = active & confident & ~ctx.is_eos(token) & (count < limit)
+            # Draft i + 1 needs draft i run through the network; skip that when no row drafts again.
+            go_on = jnp.any(active) & (i + 1 < k)
+            logits, carry = jax.lax.cond(
+                go_on, lambda c: feed(c, token, (loop.lengths + i)[:, None], i + 1), lambda c: (logits, c), carry)
+            return i + 1, carry, logits, buffer, tokens, probs, active, count, feeds + go_on
+
+        def cond(state):
+            i, active = state[0], state[6]
+            return (i < k) & jnp.any(active)
 
         tokens = jnp.zeros((batch, k), jnp.int32)  # [B, K]
         probs = jnp.zeros((batch, k, first_logits.shape[-1]), jnp.float32) if self.keep_probs else None
-        token, tokens, probs, active, count = record(0, first_logits, tokens, probs, limit > 0, jnp.zeros_like(limit))
+        state = (0, carry, first_logits, loop.tokens, tokens, probs, limit > 0, jnp.zeros_like(limit),
+                 jnp.zeros((), jnp.int32))
+        _, carry, _, _, tokens, probs, _, count, feeds = jax.lax.while_loop(cond, step, state)
+        return Draft(tokens=tokens, count=count, probs=probs), carry, feeds
 
-        def cond(state):
-            i, _, _, _, _, active, _ = state
-            return (i < k) & jnp.any(active)
+    def no_draft(self, loop: DecodeState, vocab: int) -> Draft:
+        batch = loop.lengths.shape[0]
+        probs = jnp.zeros((batch, self.max_draft, vocab), jnp.float32) if self.keep_probs else None
+        return Draft(tokens=jnp.zeros((batch, self.max_draft), jnp.int32), count=jnp.zeros((batch,), jnp.int32),
+                     probs=probs)
 
-        def step(state):
-            i, carry, token, tokens, probs, active, count = state
-            positions = (loop.lengths - 1 + i)[:, None]  # draft i sits at position L - 1 + i
-            logits, carry = feed(carry, token, positions, i)
-            token, tokens, probs, active, count = record(i, logits, tokens, probs, active, count)
-            return i + 1, carry, token, tokens, probs, active, count
-
-        state = (1, carry, token, tokens, probs, active, count)
-        forwards, carry, _, tokens, probs, _, count = jax.lax.while_loop(cond, step, state)
-        return Draft(tokens=tokens, count=count, probs=probs), carry, jnp.asarray(forwards, jnp.int32)
-
-    def update(self, ctx: Context, state: Any, result: RoundResult) -> Any:
-        if self.schedule == "constant":
-            return state
-        # HF's heuristic: +2 after a round in which every draft was accepted, else -1, never below 1. The growth is
-        # capped by the static draft buffer K (max_assistant_tokens).
-        grown = jnp.where(result.accepted == result.drafted, state.num_tokens + 2, jnp.maximum(state.num_tokens - 1, 1))
-        num_tokens = jnp.where(result.committed > 0, jnp.minimum(grown, self.max_draft), state.num_tokens)
-        return dataclasses.replace(state, num_tokens=num_tokens)
-
-    def summary(self, state: Any) -> dict[str, jax.Array]:
-        return {"num_assistant_tokens": state.num_tokens}
+    def update_length(self, length: DraftLength, result: RoundResult) -> DraftLength:
+        return self.schedule.update(length, result, self.max_draft)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DraftModelState:
     cache: Any  # the assistant's KV cache
-    num_tokens: jax.Array  # [B]
+    synced: jax.Array  # [B] positions [0, synced) of the assistant cache hold committed tokens
+    length: DraftLength
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftModelDrafter(AutoregressiveDrafter):
-    def init(self, ctx: Context, prefill: Prefill) -> DraftModelState:
-        loop = prefill.state
-        batch, bucket = loop.tokens.shape[0], prefill.hidden.shape[1]
-        cache = ctx.assistant.init_cache(batch, loop.tokens.shape[1])
-        positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
-        _, cache = ctx.assistant.run_layers(ctx.assistant.embed_tokens(loop.tokens[:, :bucket]), positions, cache)
-        return DraftModelState(cache=cache, num_tokens=self.initial_num_tokens(batch))
+    catch_up_width: int = 64  # the chunk width when the assistant is far behind (the prompt, after skipped rounds)
+
+    def init(self, ctx: Context, batch: int, size: int) -> DraftModelState:
+        return DraftModelState(cache=ctx.assistant.init_cache(batch, size), synced=jnp.zeros((batch,), jnp.int32),
+                               length=self.schedule.init(batch, ctx.draft_inputs["initial_draft_length"]))
 
     def draft(self, ctx: Context, loop: DecodeState, state: DraftModelState, rng):
         assistant = ctx.assistant
-        # Step 0 re-reads the last two committed tokens (see the module docstring).
-        two_positions = loop.lengths[:, None] + jnp.array([-2, -1])  # [B, 2]
-        two_tokens = jnp.take_along_axis(loop.tokens, two_positions, axis=1)
-        logits, _, cache = assistant(two_tokens, two_positions, state.cache)
+        limit = self.draft_limit(loop, state.length)
 
-        def feed(cache, token, positions, slot):
-            logits, _, cache = assistant(token[:, None], positions, cache)
-            return logits[:, 0], cache
+        def run(state: DraftModelState):
+            logits, cache, catch_up_forwards = self._catch_up(ctx, loop, state)
 
-        draft, cache, forwards = self.draft_loop(ctx, loop, state.num_tokens, logits[:, -1], feed, cache, rng)
-        return draft, dataclasses.replace(state, cache=cache), forwards, loop.cache
+            def feed(cache, token, positions, slot):
+                logits, _, cache = assistant(token[:, None], positions, cache)
+                return logits[:, 0], cache
+
+            draft, cache, feeds = self.draft_loop(ctx, loop, limit, logits, feed, cache, rng)
+            # Valid if every draft is accepted: the committed tokens, then drafts 1..count-1 (the last one is never
+            # fed). `update` lowers this to what verification accepted.
+            synced = loop.lengths + jnp.maximum(draft.count - 1, 0)
+            return draft, dataclasses.replace(state, cache=cache, synced=synced), catch_up_forwards + feeds
+
+        def skip(state: DraftModelState):
+            return self.no_draft(loop, ctx.target.cfg.vocab_size), state, jnp.zeros((), jnp.int32)
+
+        draft, state, forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, state)
+        return draft, state, forwards, loop.cache
+
+    def _catch_up(self, ctx: Context, loop: DecodeState, state: DraftModelState):
+        """Feed committed tokens [synced, L) to the assistant: -> (logits at position L-1 [B, V], cache, forwards)."""
+        assistant, lengths = ctx.assistant, loop.lengths
+        batch, size = loop.tokens.shape
+        rows = jnp.arange(batch)
+
+        def chunk(width: int):
+            def run(carry):
+                cache, synced, last_logits = carry
+                positions = synced[:, None] + jnp.arange(width)[None, :]  # [B, W]
+                tokens = jnp.take_along_axis(loop.tokens, jnp.clip(positions, 0, size - 1), axis=1)
+                logits, _, cache = assistant(tokens, positions, cache)
+                has_last = (lengths - 1 >= synced) & (lengths - 1 < synced + width)
+                last = logits[rows, jnp.clip(lengths - 1 - synced, 0, width - 1)]
+                return cache, jnp.minimum(synced + width, lengths), jnp.where(has_last[:, None], last, last_logits)
+
+            return run
+
+        def body(carry):
+            forwards, *inner = carry
+            far_behind = jnp.max(lengths - inner[1]) > STEADY_CATCH_UP
+            inner = jax.lax.cond(far_behind, chunk(self.catch_up_width), chunk(STEADY_CATCH_UP), tuple(inner))
+            return (forwards + 1, *inner)
+
+        vocab = ctx.target.cfg.vocab_size
+        start = (jnp.zeros((), jnp.int32), state.cache, state.synced, jnp.zeros((batch, vocab), jnp.float32))
+        forwards, cache, _, logits = jax.lax.while_loop(lambda c: jnp.any(c[2] < lengths), body, start)
+        return logits, cache, forwards
+
+    def update(self, ctx: Context, state: DraftModelState, result: RoundResult) -> DraftModelState:
+        # The entry at the new L-1 holds a rejected draft (or nothing): only positions below it stay valid.
+        synced = jnp.minimum(state.synced, result.lengths - 1)
+        return dataclasses.replace(state, synced=synced, length=self.update_length(state.length, result))
+
+    def summary(self, state: DraftModelState) -> dict[str, jax.Array]:
+        return {"num_assistant_tokens": state.length.num_tokens}

@@ -9,7 +9,8 @@ before any query can see them (the cache is position-indexed, see jaxspec.cache)
 
 What is shared: layers [0, E) cache entries and their computation for every token of the round. What is not:
 layers [E, L) run once per round on the verify block, as in any strategy. Numerically, h_E is computed one token
-at a time instead of in one block; the two agree to float round-off.
+at a time instead of in one block; the two agree to float round-off. A round in which no row drafts runs layers
+[0, E) on the last token only (verification needs them) and skips the LM head.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .base import Context, DecodeState, Prefill
+from .base import Context, DecodeState, DraftLength, RoundResult
 from .draft_model import AutoregressiveDrafter
 
 
@@ -27,46 +28,61 @@ from .draft_model import AutoregressiveDrafter
 @dataclasses.dataclass
 class EarlyExitState:
     exit_hidden: jax.Array  # [B, K+1, D] h_E of [last, d_1 .. d_K] this round (slot i = position L - 1 + i)
-    num_tokens: jax.Array  # [B]
+    length: DraftLength
 
 
 @dataclasses.dataclass(frozen=True)
 class EarlyExitDrafter(AutoregressiveDrafter):
     exit_layer: int = 1  # E: the number of layers that draft
 
-    def init(self, ctx: Context, prefill: Prefill) -> EarlyExitState:
-        batch, _, width = prefill.hidden.shape
-        return EarlyExitState(
-            exit_hidden=jnp.zeros((batch, self.max_draft + 1, width), ctx.target.dtype),
-            num_tokens=self.initial_num_tokens(batch),
-        )
+    def init(self, ctx: Context, batch: int, size: int) -> EarlyExitState:
+        width = ctx.target.cfg.hidden_size
+        return EarlyExitState(exit_hidden=jnp.zeros((batch, self.max_draft + 1, width), ctx.target.dtype),
+                              length=self.schedule.init(batch, ctx.draft_inputs["initial_draft_length"]))
 
     def _first_layers(self, ctx: Context, token, positions, cache):
-        """Layers [0, E) on one token per row: -> (h_E [B, D], draft logits [B, V], cache)."""
+        """Layers [0, E) on one token per row: -> (h_E [B, D], cache)."""
         target = ctx.target
         x, cache = target.run_layers(target.embed_tokens(token[:, None]), positions, cache, 0, self.exit_layer)
-        return x[:, 0], target.logits(target.final_hidden(x[:, 0])), cache
+        return x[:, 0], cache
+
+    def _draft_logits(self, ctx: Context, h):
+        return ctx.target.logits(ctx.target.final_hidden(h))
 
     def draft(self, ctx: Context, loop: DecodeState, state: EarlyExitState, rng):
         rows = jnp.arange(loop.lengths.shape[0])
-        h, logits, cache = self._first_layers(ctx, loop.last_token, (loop.lengths - 1)[:, None], loop.cache)
+        h, cache = self._first_layers(ctx, loop.last_token, (loop.lengths - 1)[:, None], loop.cache)
         exit_hidden = state.exit_hidden.at[:, 0].set(h)
+        limit = self.draft_limit(loop, state.length)
 
-        def feed(carry, token, positions, slot):
-            cache, exit_hidden = carry
-            h, logits, cache = self._first_layers(ctx, token, positions, cache)
-            return logits, (cache, exit_hidden.at[:, slot].set(h))
+        def run(operands):
+            cache, exit_hidden = operands
 
-        draft, (cache, exit_hidden), forwards = self.draft_loop(
-            ctx, loop, state.num_tokens, logits, feed, (cache, exit_hidden), rng
-        )
-        # The last draft of each row was never fed; verification needs its h_E too. Rows without drafts re-run
-        # their last token, which rewrites identical values.
-        last_draft = jnp.where(draft.count > 0, draft.tokens[rows, jnp.maximum(draft.count - 1, 0)], loop.last_token)
-        h, _, cache = self._first_layers(ctx, last_draft, (loop.lengths - 1 + draft.count)[:, None], cache)
-        exit_hidden = exit_hidden.at[rows, draft.count].set(h)
-        state = dataclasses.replace(state, exit_hidden=exit_hidden)
-        return draft, state, forwards + 1, cache
+            def feed(carry, token, positions, slot):
+                cache, exit_hidden = carry
+                h, cache = self._first_layers(ctx, token, positions, cache)
+                return self._draft_logits(ctx, h), (cache, exit_hidden.at[:, slot].set(h))
+
+            draft, (cache, exit_hidden), feeds = self.draft_loop(
+                ctx, loop, limit, self._draft_logits(ctx, h), feed, (cache, exit_hidden), rng)
+            # The last draft of each row was never fed; verification needs its h_E too. Rows without drafts re-run
+            # their last token, which rewrites identical values.
+            last = jnp.where(draft.count > 0, draft.tokens[rows, jnp.maximum(draft.count - 1, 0)], loop.last_token)
+            h_last, cache = self._first_layers(ctx, last, (loop.lengths - 1 + draft.count)[:, None], cache)
+            return draft, cache, exit_hidden.at[rows, draft.count].set(h_last), feeds + 2
+
+        def skip(operands):
+            cache, exit_hidden = operands
+            return self.no_draft(loop, ctx.target.cfg.vocab_size), cache, exit_hidden, jnp.ones((), jnp.int32)
+
+        draft, cache, exit_hidden, forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, (cache, exit_hidden))
+        return draft, dataclasses.replace(state, exit_hidden=exit_hidden), forwards, cache
+
+    def update(self, ctx: Context, state: EarlyExitState, result: RoundResult) -> EarlyExitState:
+        return dataclasses.replace(state, length=self.update_length(state.length, result))
+
+    def summary(self, state: EarlyExitState) -> dict[str, jax.Array]:
+        return {"num_assistant_tokens": state.length.num_tokens}
 
     def target_forward(self, ctx: Context, tokens, positions, cache, state: EarlyExitState):
         """Verification from layer E on: the first E layers already ran on this block while drafting."""

@@ -2,9 +2,15 @@
 
 Same choice as HF's `PromptLookupCandidateGenerator`, computed in-graph with static shapes for every row at once:
 search the row's committed tokens (prompt and output so far) for the last n tokens, n from `max_ngram` down to 1;
-the largest n with a match wins, and among its matches the earliest; propose up to K tokens that followed it,
-never past the end of the sequence, and stop before an EOS (a continuation that starts with EOS proposes
-nothing, without trying another match). No match means a plain decoding step for that row.
+the largest n with a match wins, and among its matches the earliest; propose the tokens that followed it, never
+past the end of the sequence, and stop before an EOS (a continuation that starts with EOS proposes nothing, without
+trying another match). No match means a plain decoding step for that row.
+
+How many tokens to propose follows the row's schedule (jaxspec/strategies/base.py). HF has no schedule here: it
+always proposes up to `prompt_lookup_num_tokens` (jaxspec's "constant"). jaxspec's default, "adaptive", proposes
+fewer after misses and more after hits, and stops proposing while a row keeps missing, because a wide verify block
+costs more than a one-token step (on a CPU an 11-token block costs about 1.8 steps): copying then never makes text
+that does not copy slower than plain decoding.
 
 The drafts are deterministic (one-hot q), so verification by matching target samples keeps sampling exact.
 """
@@ -15,8 +21,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from .base import Context, DecodeState, Draft, Drafter
+from .base import Context, DecodeState, Draft, Drafter, DraftLength, RoundResult, Schedule, room_for_drafts
 
 
 def find_continuation(tokens: jax.Array, length: jax.Array, max_ngram: int) -> tuple[jax.Array, jax.Array]:
@@ -42,16 +49,28 @@ def find_continuation(tokens: jax.Array, length: jax.Array, max_ngram: int) -> t
 @dataclasses.dataclass(frozen=True)
 class PromptLookupDrafter(Drafter):
     max_ngram: int = 2
+    schedule: Schedule = Schedule()
 
-    def draft(self, ctx: Context, loop: DecodeState, state, rng):
+    def runtime_inputs(self) -> dict[str, np.ndarray]:
+        return {"initial_draft_length": np.int32(self.schedule.initial)}
+
+    def init(self, ctx: Context, batch: int, size: int) -> DraftLength:
+        return self.schedule.init(batch, ctx.draft_inputs["initial_draft_length"])
+
+    def draft(self, ctx: Context, loop: DecodeState, state: DraftLength, rng):
         k = self.max_draft
         start, found = jax.vmap(find_continuation, in_axes=(0, 0, None))(loop.tokens, loop.lengths, self.max_ngram)
         offsets = start[:, None] + jnp.arange(k)[None, :]  # [B, K]
         tokens = jnp.take_along_axis(loop.tokens, jnp.minimum(offsets, loop.tokens.shape[1] - 1), axis=1)
         valid = found[:, None] & (offsets < loop.lengths[:, None])  # never copy past the sequence's end
-        if ctx.eos_ids:
-            valid &= jnp.cumsum(jnp.isin(tokens, jnp.asarray(ctx.eos_ids)), axis=1) == 0  # stop before an EOS
+        valid &= jnp.cumsum(ctx.is_eos(tokens), axis=1) == 0  # stop before an EOS
         count = jnp.sum(jnp.cumprod(valid, axis=1), axis=1).astype(jnp.int32)
         # Drafts past the row's budget could never be committed: do not pay to verify them.
-        count = jnp.minimum(count, jnp.maximum(loop.budget_end - loop.lengths - 1, 0))
+        count = jnp.minimum(count, jnp.minimum(self.schedule.allowed(state), room_for_drafts(loop)))
         return Draft(tokens=tokens, count=count), state, jnp.zeros((), jnp.int32), loop.cache
+
+    def update(self, ctx: Context, state: DraftLength, result: RoundResult) -> DraftLength:
+        return self.schedule.update(state, result, self.max_draft)
+
+    def summary(self, state: DraftLength) -> dict[str, jax.Array]:
+        return {"num_assistant_tokens": state.num_tokens}
