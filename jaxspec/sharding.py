@@ -61,7 +61,8 @@ def named_sharding(logical_axes, shape, mesh: Mesh, rules: ShardingRules) -> Nam
 def shard_shape(logical_axes, shape, mesh: Mesh | Mapping[str, int], rules: ShardingRules) -> tuple[int, ...]:
     """The shape of one device's shard."""
     sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
-    spec = partition_spec(tuple(logical_axes), tuple(shape), mesh, rules)
+    spec = tuple(partition_spec(tuple(logical_axes or ()), tuple(shape), mesh, rules))
+    spec += (None,) * (len(shape) - len(spec))  # axes without a logical name are replicated
     return tuple(n // (sizes[axis] if axis else 1) for n, axis in zip(shape, spec))
 
 

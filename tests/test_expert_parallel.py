@@ -5,6 +5,11 @@ greedy tokens."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,3 +102,32 @@ def test_model_on_an_expert_mesh_equals_single_device(deepseek_folder):
     plain = jaxspec.generate(single, ids, mask, max_new_tokens=12)
     out = jaxspec.generate(sharded, ids, mask, max_new_tokens=12, mesh=mesh)
     np.testing.assert_array_equal(out.sequences, plain.sequences)
+
+
+def plan_script():
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "plan.py")
+    spec = importlib.util.spec_from_file_location("jaxspec_plan_script", path)
+    module = sys.modules["jaxspec_plan_script"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_planner_counts_what_a_loaded_model_holds_per_device(deepseek_folder):
+    """scripts/plan.py sizes params and caches from the config alone; a model really loaded onto the same mesh
+    holds exactly those bytes on each device."""
+    plan = plan_script()
+    with open(os.path.join(deepseek_folder, "config.json")) as f:
+        hf = json.load(f)
+    mesh = mesh_of(2, 2, 2)
+    batch, max_len = 4, 100
+    p = plan.plan(hf, "tiny", dict(mesh.shape), "float32", batch, max_len, mtp=True)
+    module = jaxspec.load(deepseek_folder, dtype=jnp.float32, mesh=mesh).module
+    device = mesh.devices.flat[0]
+
+    def bytes_on(device, tree):
+        return sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
+                   if s.device == device)
+
+    assert bytes_on(device, nnx.state(module)) == sum(p.weights.values())
+    cache = jax.jit(lambda: module.init_cache(batch, p.positions))()
+    assert bytes_on(device, cache) == p.cache > 0
