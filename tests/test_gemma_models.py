@@ -150,6 +150,18 @@ def test_early_exit_equals_greedy_on_gemma4(tmp_path_factory):
     assert out.drafted.sum() > 0
 
 
+def test_gemma4_sharded_equals_single_device(tmp_path_factory):
+    """Heads, MLP and vocabulary (the per-layer embedding table too) split four ways, with the per-type caches."""
+    from jax.sharding import Mesh
+
+    assert len(jax.devices()) >= 4, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    _, model = built("gemma4_text", tmp_path_factory)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 4), ("data", "model"))
+    ids, mask = left_padded(PROMPTS)
+    sharded = jaxspec.generate(model, ids, mask, max_new_tokens=20, mesh=mesh)
+    np.testing.assert_array_equal(sharded.sequences, plain_greedy("gemma4_text", model))
+
+
 # -- Gemma 4 options and conversion ------------------------------------------------------------------------------
 
 
@@ -182,6 +194,17 @@ def test_gemma4_shared_kv_is_the_store_layers_cache():
     k, _ = module.shared_kv(marked, "sliding_attention")
     assert k.shape == (1, 8, 1, 8) and bool((k == 7.0).all())
     assert module.shared_kv(cache, "full_attention")[0].shape == (1, 8, 1, 16)
+
+
+def test_gemma4_conversion_folder_restores(tmp_path, tmp_path_factory):
+    """A saved conversion (orbax) of a model whose layers differ in shape restores to the same logits."""
+    from jaxspec import checkpoint
+
+    hf, model = built("gemma4_text", tmp_path_factory)
+    restored = jaxspec.load(checkpoint.save(model, str(tmp_path / "converted")))
+    ids = np.random.RandomState(5).randint(0, 128, (1, 12))
+    logits, _, _ = forward(restored, ids, np.arange(12)[None], restored.module.init_cache(1, 12))
+    np.testing.assert_allclose(np.asarray(logits), hf_logits(hf, ids), atol=2e-4, rtol=1e-4)
 
 
 def test_kv_shared_layers_may_carry_unused_kv_weights(tmp_path):
