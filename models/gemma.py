@@ -133,7 +133,7 @@ class GemmaConfig:
             raise NotImplementedError(f"hidden_activation={act!r} is not supported; Gemma uses 'gelu_pytorch_tanh'.")
         if hf.get("attention_bias"):
             raise NotImplementedError("attention_bias=True is not supported for Gemma checkpoints.")
-        if hf.get("use_bidirectional_attention"):
+        if hf.get("use_bidirectional_attention") in (True, "all"):  # Gemma 4's "vision" leaves text causal
             raise NotImplementedError("use_bidirectional_attention (Gemma embedding models) is not supported: "
                                       "jaxspec decodes causally.")
         reader = {"gemma2": _gemma2_fields, "gemma3_text": _gemma3_fields, "gemma4_text": _gemma4_fields}[model_type]
@@ -487,10 +487,10 @@ class GemmaForCausalLM(nnx.Module):
         cfg, p = self.cfg, self.cfg.per_layer_input_size
         table = self.ple_embed[...]
         token_part = table[tokens] * _scale(math.sqrt(p), table.dtype)  # [B, T, L*P]
-        projected = (x @ self.ple_model_proj[...]) * np.float32(cfg.hidden_size**-0.5)  # [B, T, L*P]
+        projected = (x @ self.ple_model_proj[...]) * cfg.hidden_size**-0.5  # [B, T, L*P]
         projected = projected.reshape(*x.shape[:-1], cfg.num_layers, p)
         projected = L.gemma_rms_norm(projected, self.ple_proj_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
-        combined = (projected + token_part.reshape(projected.shape)) * np.float32(2.0**-0.5)
+        combined = (projected + token_part.reshape(projected.shape)) * 2.0**-0.5
         return combined.reshape(token_part.shape)
 
     def run_layers(
