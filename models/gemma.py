@@ -13,8 +13,16 @@ One config reader and one layer recipe serve the three families; what differs is
 
 Every family has pre- and post-norms around attention and MLP, embeddings scaled by sqrt(hidden) in the param
 dtype, and a tanh-GELU gated MLP. Layers are "sliding_attention" (a window of `sliding_window` keys ending at the
-query) or "full_attention". The window is a mask over the full-size position-indexed cache; see
-`layers.sliding_window_mask` for why it is not a ring.
+query) or "full_attention".
+
+Sliding windows are masks over the full-size position-indexed cache (`layers.windowed_attention`), not rings of
+window + K + 1 entries. The cache index stays the absolute position, so rolling back a rejected draft stays a
+length and every drafter that writes or reads the target's cache (early exit, the Gemma 4 drafter) works unchanged;
+a prompt longer than the window needs no separate prefill path (a block longer than a ring overwrites entries its
+own earlier queries need). The price is cache memory and attention reads of S entries instead of window + K + 1 in
+windowed layers: small next to the weights read per step at the cache sizes jaxspec allocates (prompt bucket +
+budget), large only for contexts far beyond the window, where a ring is the next step. Qwen2's
+`use_sliding_window` uses the same attention.
 
 The cache (`GemmaCache`) holds one position-indexed stack per attention type, with an entry only for layers that
 compute their own keys and values: Gemma 4's last `num_kv_shared_layers` layers attend to the entries of the last
