@@ -207,6 +207,25 @@ def test_gemma4_conversion_folder_restores(tmp_path, tmp_path_factory):
     np.testing.assert_allclose(np.asarray(logits), hf_logits(hf, ids), atol=2e-4, rtol=1e-4)
 
 
+def test_legacy_gemma3_config_reads_as_transformers_reads_it():
+    """Pre-5 keys: `rope_theta` (global), `rope_local_base_freq`, `rope_scaling` (global layers only) and
+    `sliding_window_pattern`, against what transformers' own config class makes of them."""
+    import transformers
+
+    legacy = {"model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 7, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+              "rope_theta": 500000.0, "rope_local_base_freq": 20000.0, "sliding_window_pattern": 3,
+              "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 16}
+    reference = transformers.Gemma3TextConfig(**{k: v for k, v in legacy.items() if k != "model_type"})
+    cfg = GemmaConfig.from_hf_config(legacy)
+    assert list(cfg.layer_types) == reference.layer_types
+    for layer_type, kind in (("full_attention", cfg.full), ("sliding_attention", cfg.sliding)):
+        want = reference.rope_parameters[layer_type]
+        assert (kind.rope.rope_type, kind.rope.theta) == (want["rope_type"], want["rope_theta"]), layer_type
+        assert kind.rope.factor == want.get("factor", 1.0), layer_type
+    assert (cfg.sliding.window, cfg.full.window) == (16, None)
+
+
 def test_kv_shared_layers_may_carry_unused_kv_weights(tmp_path):
     """Released Gemma 4 checkpoints keep k/v weights in KV-shared layers; HF ignores them, and so must loading."""
     hf = hf_models.build_tiny_gemma("gemma4_text", seed=16)
