@@ -131,3 +131,15 @@ def test_planner_counts_what_a_loaded_model_holds_per_device(deepseek_folder):
     assert bytes_on(device, nnx.state(module)) == sum(p.weights.values())
     cache = jax.jit(lambda: module.init_cache(batch, p.positions))()
     assert bytes_on(device, cache) == p.cache > 0
+
+
+def test_glm_sharded_load_reads_the_same_params(tmp_path):
+    """GLM-4.5's split q/k/v heads, their biases, qk norms and merged output heads, read box by box on a mesh."""
+    _, n_layers, n_mtp, overrides = CASES["glm_mtp"]
+    folder = save_checkpoint("glm4_moe", str(tmp_path / "glm"), n_layers, n_mtp, overrides)
+    mesh = mesh_of(1, 2, 4)
+    sharded = nnx.state(jaxspec.load(folder, dtype=jnp.float32, mesh=mesh).module)
+    single = nnx.state(jaxspec.load(folder, dtype=jnp.float32).module)
+    assert sharded["wk"].get_value().sharding.spec == P(None, None, "model", None)
+    for name, value in nnx.to_pure_dict(single).items():
+        np.testing.assert_array_equal(np.asarray(nnx.to_pure_dict(sharded)[name]), np.asarray(value), err_msg=name)
