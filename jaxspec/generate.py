@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from .distributed import fetch, global_array
 from .loading import Model
 from .sampling import SamplingParams, select
 from .sharding import ShardingRules, constrain, shard_state
@@ -267,7 +268,7 @@ def _place(x: jax.Array, mesh: Mesh | None, rules: ShardingRules) -> jax.Array:
     from .sharding import named_sharding
 
     axes = ("batch",) + ("seq",) * (x.ndim - 1)
-    return jax.device_put(x, named_sharding(axes, x.shape, mesh, rules))
+    return global_array(x, named_sharding(axes, x.shape, mesh, rules))  # each process places its devices' slices
 
 
 def _prompt_rows(input_ids: Any, attention_mask: Any) -> list[np.ndarray]:
@@ -341,7 +342,7 @@ def _pad_id(model: Model, pad_token_id, eos_ids) -> int:
 
 
 def _unpack(final, input_ids, prompts, prompt_lengths, pad_id, compile_seconds, decode_seconds, strategy):
-    tokens, lengths, counters, drafter_summary = jax.device_get(final)
+    tokens, lengths, counters, drafter_summary = fetch(final)  # in every process, gathered across processes
     new_counts = lengths - prompt_lengths
     width = int(new_counts.max())
     given = _given_layout(input_ids, prompts, pad_id)

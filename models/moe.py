@@ -453,7 +453,8 @@ class MoeCausalLM(nnx.Module):
     def _constrain_cache(self, cache):
         if self.mesh is None:
             return cache
-        return jax.tree.map(lambda x, axes: constrain(x, axes, self.mesh, self.rules), cache, type(cache).logical_axes())
+        axes = type(cache).logical_axes()
+        return jax.tree.map(lambda x, names: constrain(x, names, self.mesh, self.rules), cache, axes)
 
     # -- family hooks ----------------------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Expert parallelism on fake CPU devices: the routed experts split over an `expert` mesh axis (and their hidden width
 over `model`) inside shard_map, each shard running its own experts on its tokens and one psum adding the parts,
-equal the single-device grouped matmul; whole models loaded onto a mesh give the single-device logits, MTP drafts and
-greedy tokens."""
+equal the single-device grouped matmul; whole models loaded onto a mesh give the single-device logits and MTP logits;
+the planner counts exactly the bytes a loaded model holds per device."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from jax.sharding import PartitionSpec as P
 import jaxspec
 from jaxspec.models import moe
 from jaxspec.sharding import ShardingRules
-from tests.test_generate import PROMPTS, left_padded
 from tests.test_moe_models import CASES, COMMON, save_checkpoint
 
 ATOL = 1e-4  # float32 sums in another order; logits are of magnitude 1-10
@@ -96,12 +95,7 @@ def test_model_on_an_expert_mesh_equals_single_device(deepseek_folder):
     assert np.abs(expected[0]).max() > 1.0
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e, atol=ATOL, rtol=0)
-
-    # End to end (use_mtp on a mesh runs in tests/test_distributed.py, whose loops compile anyway).
-    ids, mask = left_padded(PROMPTS + [[9, 8, 7, 6]])
-    plain = jaxspec.generate(single, ids, mask, max_new_tokens=12)
-    out = jaxspec.generate(sharded, ids, mask, max_new_tokens=12, mesh=mesh)
-    np.testing.assert_array_equal(out.sequences, plain.sequences)
+    # Generation on a mesh (greedy, sampling, use_mtp; one and two processes) runs in tests/test_distributed.py.
 
 
 def plan_script():
