@@ -137,3 +137,13 @@ def test_glm_sharded_load_reads_the_same_params(tmp_path):
     assert sharded["wk"].get_value().sharding.spec == P(None, None, "model", None)
     for name, value in nnx.to_pure_dict(single).items():
         np.testing.assert_array_equal(np.asarray(nnx.to_pure_dict(sharded)[name]), np.asarray(value), err_msg=name)
+
+
+def test_llama_sharded_load_keeps_each_devices_slices(tiny_llama_dir):
+    """Families without a conversion plan convert on the host, then each device keeps its slices."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    sharded = nnx.to_pure_dict(nnx.state(jaxspec.load(tiny_llama_dir, dtype=jnp.float32, mesh=mesh).module))
+    single = nnx.to_pure_dict(nnx.state(jaxspec.load(tiny_llama_dir, dtype=jnp.float32).module))
+    assert sharded["layers"][0]["w_gate"].sharding.spec == P(None, "model")
+    for got, expected in zip(jax.tree.leaves(sharded), jax.tree.leaves(single)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
