@@ -119,7 +119,8 @@ def plan_moe_family(cfg, source, rules, ignores, shapes, dtype) -> Plan:
 def deinterleave_order(size: int, start: int, width: int) -> tuple[int, ...]:
     """Row order that turns rows [start, start + width) from (x0, x1), (x2, x3), ... pairs into evens then odds."""
     order = np.arange(size)
-    order[start : start + width] = np.concatenate([np.arange(start, start + width, 2), np.arange(start + 1, start + width, 2)])
+    evens, odds = np.arange(start, start + width, 2), np.arange(start + 1, start + width, 2)
+    order[start : start + width] = np.concatenate([evens, odds])
     return tuple(int(i) for i in order)
 
 

@@ -3,7 +3,8 @@
 The rest of jaxspec converts HF names and HF layouts. Rather than a second set of conversion rules, this module
 presents a GGUF file as an HF `config.json` (a dict), HF tensor names and shapes, and float32 tensors in HF
 `[out, in]` layout, dequantized one at a time on request (a 1.5B checkpoint dequantized whole is several GB).
-Supported architectures: `llama` and `qwen2`.
+Supported architectures: `llama` (with Llama 3 rope scaling from its `rope_freqs` tensor), `qwen2` and `gemma3`
+(the text model, read as HF `gemma3_text`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Any
 import gguf
 import numpy as np
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "gemma3")
 
-_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -42,6 +43,17 @@ _QWEN2_BLOCK_BIASES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+}
+
+# Gemma 3 has a norm after attention and one before and after the MLP; llama.cpp calls the pre-MLP one `ffn_norm`
+# (Llama's `post_attention_layernorm`), and stores every norm weight as w + 1 (HF scales by 1 + w).
+_GEMMA3_BLOCK_NAMES = {
+    **{k: v for k, v in _BLOCK_NAMES.items() if k != "ffn_norm.weight"},
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 
 _IGNORED_BLOCK_TENSORS = {
@@ -74,6 +86,8 @@ class GGUFCheckpoint:
         weights = _dequantize(tensor, self.tensor_shapes[hf_name])
         if self.hf_config["model_type"] == "llama":
             weights = _unpermute_llama_qk(weights, hf_name, self.hf_config)
+        if self.hf_config["model_type"] == "gemma3_text" and hf_name.endswith("norm.weight"):
+            weights = weights - np.float32(1.0)  # llama.cpp stores w + 1; HF stores w
         return weights
 
     def load_tokenizer(self) -> Any:
@@ -84,7 +98,8 @@ class GGUFCheckpoint:
 
 
 def read_gguf(path: str) -> GGUFCheckpoint:
-    """Open a llama or qwen2 GGUF file: parse its metadata, map every tensor to its HF name, read no weights.
+    """Open a llama, qwen2 or gemma3 GGUF file: parse its metadata, map every tensor to its HF name, read no weights
+    (except llama's small `rope_freqs`, which becomes the config's Llama 3 rope parameters).
 
     Fails on anything it would otherwise convert wrongly: an unsupported architecture, a tensor no rule maps,
     a feature (rope scaling, partial rotary) the HF config built here cannot express.
@@ -107,27 +122,39 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     shapes = {name: _hf_shape(tensor) for name, tensor in tensors.items()}
     _check_complete(shapes, arch, n_layers, path)
     config = hf_config_from_metadata(reader, arch, shapes)
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        factors = _dequantize(rope_freqs, _hf_shape(rope_freqs)).reshape(-1)
+        config["rope_parameters"] = llama3_rope_from_factors(
+            factors, config["head_dim"], config["rope_parameters"]["rope_theta"], path
+        )
     return GGUFCheckpoint(path=path, hf_config=config, tensor_shapes=shapes, _reader=reader, _gguf_tensors=tensors)
 
 
 def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
     """HF name of a llama.cpp tensor; None for a tensor deliberately ignored; an error for anything else."""
     if gguf_name == "rope_freqs.weight":
-        raise NotImplementedError(
-            "this GGUF has a rope_freqs tensor (llama3 rope scaling); "
-            "llama3 rope scaling from GGUF is not supported yet"
-        )
+        if arch == "llama":
+            return None  # Llama 3 rope scaling: read into the config by `read_gguf`, not a weight
+        raise NotImplementedError(f"a rope_freqs tensor (per-frequency rope scaling) in a {arch} GGUF is not supported")
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK_RE.fullmatch(gguf_name)
     if match is not None and int(match.group(1)) < n_layers:
         layer, suffix = int(match.group(1)), match.group(2)
-        block_names = _BLOCK_NAMES | (_QWEN2_BLOCK_BIASES if arch == "qwen2" else {})
+        block_names = _block_names(arch)
         if suffix in block_names:
             return f"model.layers.{layer}.{block_names[suffix]}"
         if suffix in _IGNORED_BLOCK_TENSORS:
             return None
     raise ValueError(f"GGUF tensor {gguf_name!r} is not used by any {arch} conversion rule")
+
+
+def _block_names(arch: str) -> dict[str, str]:
+    """llama.cpp block tensor suffix -> HF name inside `model.layers.{i}.`, per architecture."""
+    if arch == "gemma3":
+        return _GEMMA3_BLOCK_NAMES
+    return _BLOCK_NAMES | (_QWEN2_BLOCK_BIASES if arch == "qwen2" else {})
 
 
 def hf_config_from_metadata(
@@ -141,6 +168,8 @@ def hf_config_from_metadata(
     hidden = int(_metadata(reader, f"{arch}.embedding_length"))
     n_heads = int(_metadata(reader, f"{arch}.attention.head_count"))
     head_dim = _head_dim(reader, arch, shapes, n_heads)
+    if arch == "gemma3":
+        return _gemma3_config(reader, shapes, hidden, n_heads, head_dim)
     config: dict[str, Any] = {
         "architectures": [_HF_CLASS[arch]],
         "model_type": arch,
@@ -211,17 +240,17 @@ def _head_dim(reader: gguf.GGUFReader, arch: str, shapes: dict[str, tuple[int, .
 
 
 def _reject_rope_scaling(reader: gguf.GGUFReader, arch: str, path: str) -> None:
-    """The HF config built here uses default rope; a file asking for scaling would silently diverge."""
+    """The HF config built here expresses default rope (and Gemma 3's linear scaling of its global layers); a file
+    asking for other scaling would silently diverge."""
     scaling = _metadata(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
+    if scaling != "none" and not (arch == "gemma3" and scaling == "linear"):
         raise NotImplementedError(f"{path}: rope scaling {scaling!r} from GGUF is not supported yet")
 
 
 def _check_complete(shapes: dict[str, tuple[int, ...]], arch: str, n_layers: int, path: str) -> None:
     """Every tensor the HF model needs must be present; a truncated file should fail here, not mid-conversion."""
     required = ["model.embed_tokens.weight", "model.norm.weight"]
-    block_names = list(_BLOCK_NAMES.values()) + (list(_QWEN2_BLOCK_BIASES.values()) if arch == "qwen2" else [])
-    required += [f"model.layers.{i}.{name}" for i in range(n_layers) for name in block_names]
+    required += [f"model.layers.{i}.{name}" for i in range(n_layers) for name in _block_names(arch).values()]
     missing = [name for name in required if name not in shapes]
     if missing:
         raise ValueError(f"{path}: GGUF lacks tensors for {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
@@ -256,3 +285,127 @@ def _unpermute_llama_qk(weights: np.ndarray, hf_name: str, config: dict[str, Any
     return np.ascontiguousarray(
         weights.reshape(n_heads, rows // n_heads // 2, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gemma 3
+
+
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_27B_LAYERS = 62
+
+
+def _gemma3_config(
+    reader: gguf.GGUFReader, shapes: dict[str, tuple[int, ...]], hidden: int, n_heads: int, head_dim: int
+) -> dict[str, Any]:
+    """The `config.json` of HF `Gemma3ForCausalLM` (`gemma3_text`) for a gemma3 GGUF.
+
+    Files may omit the layer pattern and the local rope base (`attention.sliding_window_pattern`,
+    `rope.freq_base_swa`); llama.cpp then fixes them, and so does this: every 6th layer global, local layers at rope
+    base 10000. Linear rope scaling, when the file has it, applies to global layers only. The query scale is never
+    stored: llama.cpp uses 1/sqrt(head_dim), except for the 62-layer 27B, which it scales by 1/sqrt(hidden / heads).
+    """
+    n_layers = int(_metadata(reader, "gemma3.block_count"))
+    pattern = _metadata(reader, "gemma3.attention.sliding_window_pattern", GEMMA3_GLOBAL_EVERY)
+    if isinstance(pattern, list):  # one flag per layer: True where the layer slides
+        if len(pattern) != n_layers:
+            raise ValueError(f"gemma3.attention.sliding_window_pattern lists {len(pattern)} layers; expected {n_layers}")
+        layer_types = ["sliding_attention" if slides else "full_attention" for slides in pattern]
+    else:
+        layer_types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n_layers)]
+    value_length = int(_metadata(reader, "gemma3.attention.value_length", head_dim))
+    if value_length != head_dim:
+        raise NotImplementedError(f"gemma3 GGUF with value_length {value_length} != key_length {head_dim}")
+    global_rope: dict[str, Any] = {"rope_type": "default",
+                                   "rope_theta": _decimal(_metadata(reader, "gemma3.rope.freq_base", 1_000_000.0))}
+    if _metadata(reader, "gemma3.rope.scaling.type", "none") == "linear":
+        global_rope |= {"rope_type": "linear", "factor": _decimal(_metadata(reader, "gemma3.rope.scaling.factor"))}
+    config: dict[str, Any] = {
+        "architectures": [_HF_CLASS["gemma3"]],
+        "model_type": "gemma3_text",
+        "vocab_size": shapes["model.embed_tokens.weight"][0],
+        "hidden_size": hidden,
+        "intermediate_size": int(_metadata(reader, "gemma3.feed_forward_length")),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(_metadata(reader, "gemma3.attention.head_count_kv", n_heads)),
+        "head_dim": head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": _decimal(_metadata(reader, "gemma3.attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(_metadata(reader, "gemma3.context_length")),
+        "sliding_window": int(_metadata(reader, "gemma3.attention.sliding_window")),
+        "layer_types": layer_types,
+        "rope_parameters": {
+            "full_attention": global_rope,
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": _decimal(_metadata(reader, "gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA)),
+            },
+        },
+        "query_pre_attn_scalar": hidden // n_heads if n_layers == GEMMA3_27B_LAYERS else head_dim,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "attention_bias": False,
+        "tie_word_embeddings": "lm_head.weight" not in shapes,
+        "bos_token_id": _optional_int(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _optional_int(reader, "tokenizer.ggml.eos_token_id"),
+        "attention_dropout": 0.0,
+    }
+    pad = _optional_int(reader, "tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        config["pad_token_id"] = pad
+    return config
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Llama 3 rope scaling
+
+
+def llama3_rope_factors(head_dim: int, theta: float, rope: dict[str, Any]) -> np.ndarray:
+    """What llama.cpp's converter stores as `rope_freqs` for HF llama3 rope parameters: per frequency, the divisor
+    of its inverse frequency (1 for short wavelengths, `factor` for long ones, a smooth blend between)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * np.pi / inv_freq
+    old_context = rope["original_max_position_embeddings"]
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    smooth = (old_context / wavelen - low) / (high - low)
+    blended = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_context / high, 1.0, np.where(wavelen > old_context / low, factor, blended))
+
+
+def llama3_rope_from_factors(factors: np.ndarray, head_dim: int, theta: float, path: str) -> dict[str, Any]:
+    """HF llama3 `rope_parameters` that reproduce llama.cpp's `rope_freqs` divisors.
+
+    The divisors fix `factor` (the largest) and, inside the blended band, 1/divisor = (1 - s)/factor + s with
+    s = (old_context / wavelength - low) / (high - low), a line in 1/wavelength. Its slope and intercept determine
+    high/low and old_context/(high - low) only, and every low gives the same frequencies, so low = 1 (Llama 3's
+    value) is taken and the rest solved. The answer is checked by recomputing the divisors.
+    """
+    if factors.shape != (head_dim // 2,):
+        raise ValueError(f"{path}: rope_freqs has shape {factors.shape}; expected ({head_dim // 2},)")
+    factors = factors.astype(np.float64)
+    factor = float(factors.max())
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    blended = ~np.isclose(factors, 1.0, rtol=1e-6) & ~np.isclose(factors, factor, rtol=1e-6)
+    if factor <= 1.0 or blended.sum() < 2:
+        raise NotImplementedError(
+            f"{path}: rope_freqs {factors.tolist()} is not Llama 3 rope scaling with a blended band of at least two "
+            "frequencies, which is what jaxspec can express as HF llama3 rope parameters"
+        )
+    s = (1.0 / factors[blended] - 1.0 / factor) / (1.0 - 1.0 / factor)
+    slope, intercept = np.polyfit(inv_freq[blended] / (2 * np.pi), s, 1)  # s = slope / wavelength + intercept
+    low = 1.0
+    high = low - low / intercept
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": _decimal(factor),
+        "low_freq_factor": low,
+        "high_freq_factor": round(float(high), 6),
+        "original_max_position_embeddings": int(round(slope * (high - low))),
+    }
+    if not np.allclose(llama3_rope_factors(head_dim, theta, rope), factors, rtol=1e-5):
+        raise NotImplementedError(f"{path}: rope_freqs {factors.tolist()} cannot be expressed as HF llama3 rope "
+                                  f"parameters (closest: {rope})")
+    return rope

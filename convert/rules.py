@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
-from .safetensors_io import Box, box_shape, full_box, normalize_box
+from .safetensors_io import Box, box_shape, normalize_box
 
 
 class TensorSource(Protocol):
@@ -319,7 +319,8 @@ class Plan:
         index_box, inner = box[:depth], box[depth:]
         for index in itertools.product(*(range(s.start, s.stop) for s in index_box)):
             hf_name, rule = slots[index]
-            out[tuple(i - s.start for i, s in zip(index, index_box))] = _read_slot(source, hf_name, rule, shape[depth:], inner)
+            at = tuple(i - s.start for i, s in zip(index, index_box))
+            out[at] = _read_slot(source, hf_name, rule, shape[depth:], inner)
             if on_slot:
                 on_slot()
         return out
@@ -382,7 +383,8 @@ def plan_indexed(
         try:
             converted = rule.slot_shape(source.shapes[hf_name])
         except ValueError as error:
-            bad_shape.append(f"{hf_name}: {source.shapes[hf_name]} cannot be laid out ({error}), expected {target_shape}")
+            hf_shape = source.shapes[hf_name]
+            bad_shape.append(f"{hf_name}: {hf_shape} cannot be laid out ({error}), expected {target_shape}")
             continue
         if converted is not None and converted != target_shape:
             bad_shape.append(f"{hf_name}: {source.shapes[hf_name]} gives {converted}, expected {target_shape}")

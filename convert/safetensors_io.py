@@ -90,7 +90,9 @@ class SafetensorsFile:
     def dtype(self, name: str) -> np.dtype:
         entry = self._entries[name]
         if entry["dtype"] not in _DTYPES:
-            raise NotImplementedError(f"{self.path}: tensor {name} has dtype {entry['dtype']}, which jaxspec cannot read.")
+            raise NotImplementedError(
+                f"{self.path}: tensor {name} has dtype {entry['dtype']}, which jaxspec cannot read."
+            )
         return np.dtype(_DTYPES[entry["dtype"]])
 
     def read(self, name: str) -> np.ndarray:

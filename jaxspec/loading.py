@@ -131,6 +131,7 @@ def build_sharded_module(family, cfg, dtype, source, mesh, sharding_rules=None, 
     turns on expert parallelism in MoE layers.
     """
     import importlib
+    import itertools
 
     from .distributed import array_from_blocks
     from .sharding import ShardingRules, variable_sharding
@@ -153,21 +154,21 @@ def build_sharded_module(family, cfg, dtype, source, mesh, sharding_rules=None, 
                 value = value[key]
             return np.asarray(value)[box]
 
-    variables = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    placed = {}
-    for step, (path, variable) in enumerate(variables):
-        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
-        spec = variable.get_value()
+    def is_variable(x):
+        return isinstance(x, nnx.Variable)
+
+    total, done = len(jax.tree.leaves(state, is_leaf=is_variable)), itertools.count(1)
+
+    def place(path, variable):
+        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)  # e.g. ("we_gate",), ("layers", 0, "wq")
+        value = variable.get_value()  # abstract: shape and declared dtype
         sharding = variable_sharding(variable, mesh, rules)
-        placed[keys] = array_from_blocks(spec.shape, spec.dtype, sharding, lambda box, keys=keys: read(keys, box))
+        array = array_from_blocks(value.shape, value.dtype, sharding, lambda box: read(keys, box))
         if progress and planner is not None:
-            progress(step, len(variables))
+            progress(next(done) - 1, total)
+        return variable.replace(array)
 
-    def fill(path, variable):
-        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
-        return variable.replace(placed[keys])
-
-    state = jax.tree_util.tree_map_with_path(fill, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    state = jax.tree_util.tree_map_with_path(place, state, is_leaf=is_variable)
     module = nnx.merge(graphdef, state)
     if hasattr(module, "place_on"):
         module.place_on(mesh, rules)

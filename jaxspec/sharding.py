@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Mapping
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
@@ -61,7 +62,8 @@ def named_sharding(logical_axes, shape, mesh: Mesh, rules: ShardingRules) -> Nam
 def shard_shape(logical_axes, shape, mesh: Mesh | Mapping[str, int], rules: ShardingRules) -> tuple[int, ...]:
     """The shape of one device's shard."""
     sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
-    spec = partition_spec(tuple(logical_axes), tuple(shape), mesh, rules)
+    spec = tuple(partition_spec(tuple(logical_axes or ()), tuple(shape), mesh, rules))
+    spec += (None,) * (len(shape) - len(spec))  # axes without a logical name are replicated
     return tuple(n // (sizes[axis] if axis else 1) for n, axis in zip(shape, spec))
 
 
@@ -89,3 +91,23 @@ def constrain(x: jax.Array, logical_axes: tuple[str, ...], mesh: Mesh | None, ru
     if mesh is None:
         return x
     return jax.lax.with_sharding_constraint(x, named_sharding(logical_axes, x.shape, mesh, rules))
+
+
+def make_mesh(axes: str | Mapping[str, int], devices=None) -> Mesh:
+    """A mesh over every device of every process (or `devices`), from "data=1,model=8,expert=4" or a mapping, axes
+    in the order given. The sizes must multiply to the number of devices."""
+    if isinstance(axes, str):
+        sizes = {}
+        for part in axes.split(","):
+            name, _, size = part.partition("=")
+            if not name.strip() or not size.strip().isdigit() or int(size) < 1:
+                raise ValueError(f"A mesh is written name=size,... (e.g. data=1,model=8,expert=4); got {axes!r}.")
+            sizes[name.strip()] = int(size)
+        axes = sizes
+    devices = jax.devices() if devices is None else list(devices)
+    count = 1
+    for size in axes.values():
+        count *= size
+    if count != len(devices):
+        raise ValueError(f"Mesh {dict(axes)} has {count} positions, but there are {len(devices)} devices.")
+    return Mesh(np.asarray(devices).reshape(tuple(axes.values())), tuple(axes))

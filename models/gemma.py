@@ -13,8 +13,16 @@ One config reader and one layer recipe serve the three families; what differs is
 
 Every family has pre- and post-norms around attention and MLP, embeddings scaled by sqrt(hidden) in the param
 dtype, and a tanh-GELU gated MLP. Layers are "sliding_attention" (a window of `sliding_window` keys ending at the
-query) or "full_attention". The window is a mask over the full-size position-indexed cache; see
-`layers.sliding_window_mask` for why it is not a ring.
+query) or "full_attention".
+
+Sliding windows are masks over the full-size position-indexed cache (`layers.windowed_attention`), not rings of
+window + K + 1 entries. The cache index stays the absolute position, so rolling back a rejected draft stays a
+length and every drafter that writes or reads the target's cache (early exit, the Gemma 4 drafter) works unchanged;
+a prompt longer than the window needs no separate prefill path (a block longer than a ring overwrites entries its
+own earlier queries need). The price is cache memory and attention reads of S entries instead of window + K + 1 in
+windowed layers: small next to the weights read per step at the cache sizes jaxspec allocates (prompt bucket +
+budget), large only for contexts far beyond the window, where a ring is the next step. Qwen2's
+`use_sliding_window` uses the same attention.
 
 The cache (`GemmaCache`) holds one position-indexed stack per attention type, with an entry only for layers that
 compute their own keys and values: Gemma 4's last `num_kv_shared_layers` layers attend to the entries of the last
@@ -133,7 +141,7 @@ class GemmaConfig:
             raise NotImplementedError(f"hidden_activation={act!r} is not supported; Gemma uses 'gelu_pytorch_tanh'.")
         if hf.get("attention_bias"):
             raise NotImplementedError("attention_bias=True is not supported for Gemma checkpoints.")
-        if hf.get("use_bidirectional_attention"):
+        if hf.get("use_bidirectional_attention") in (True, "all"):  # Gemma 4's "vision" leaves text causal
             raise NotImplementedError("use_bidirectional_attention (Gemma embedding models) is not supported: "
                                       "jaxspec decodes causally.")
         reader = {"gemma2": _gemma2_fields, "gemma3_text": _gemma3_fields, "gemma4_text": _gemma4_fields}[model_type]
@@ -487,10 +495,10 @@ class GemmaForCausalLM(nnx.Module):
         cfg, p = self.cfg, self.cfg.per_layer_input_size
         table = self.ple_embed[...]
         token_part = table[tokens] * _scale(math.sqrt(p), table.dtype)  # [B, T, L*P]
-        projected = (x @ self.ple_model_proj[...]) * np.float32(cfg.hidden_size**-0.5)  # [B, T, L*P]
+        projected = (x @ self.ple_model_proj[...]) * cfg.hidden_size**-0.5  # [B, T, L*P]
         projected = projected.reshape(*x.shape[:-1], cfg.num_layers, p)
         projected = L.gemma_rms_norm(projected, self.ple_proj_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
-        combined = (projected + token_part.reshape(projected.shape)) * np.float32(2.0**-0.5)
+        combined = (projected + token_part.reshape(projected.shape)) * 2.0**-0.5
         return combined.reshape(token_part.shape)
 
     def run_layers(

@@ -42,6 +42,9 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # Qwen2's use_sliding_window: these layers attend to the last `sliding_window` positions only
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> "LlamaConfig":
@@ -54,8 +57,7 @@ class LlamaConfig:
             raise NotImplementedError(f"hidden_act={act!r} is not supported yet; only 'silu' is.")
         if hf.get("mlp_bias"):
             raise NotImplementedError("mlp_bias=True is not supported yet for Llama checkpoints.")
-        if model_type == "qwen2" and hf.get("use_sliding_window"):
-            raise NotImplementedError("Qwen2 with use_sliding_window=True is not supported yet.")
+        sliding_window, sliding_layers = _qwen2_sliding_layers(hf) if model_type == "qwen2" else (None, ())
         rope = L.rope_parameters(hf)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -93,7 +95,13 @@ class LlamaConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             pad_token_id=hf.get("pad_token_id"),
+            sliding_window=sliding_window,
+            sliding_layers=sliding_layers,
         )
+
+    def window(self, layer: int) -> int | None:
+        """The layer's attention window (None: every earlier position)."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     def inv_freq(self) -> jax.Array:
         if self.rope_llama3 is not None:
@@ -207,7 +215,8 @@ class LlamaForCausalLM(nnx.Module):
         k_cache, v_cache = cache.k, cache.v
         for index in range(start, stop):
             p = self.layers[index].params()
-            x, k_cache, v_cache = _decoder_layer(self.cfg, p, x, positions, k_cache, v_cache, index, inv_freq)
+            x, k_cache, v_cache = _decoder_layer(self.cfg, p, x, positions, k_cache, v_cache, index, inv_freq,
+                                                 window=self.cfg.window(index))
         return x, KVCache(k=k_cache, v=v_cache)
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
@@ -228,8 +237,9 @@ class LlamaForCausalLM(nnx.Module):
         return init_kv_cache(c.num_layers, batch, size, c.num_kv_heads, c.head_dim, self.dtype)
 
 
-def _decoder_layer(cfg: LlamaConfig, p, x, positions, k_cache, v_cache, index, inv_freq):
-    """One pre-norm block. p: this layer's params; k_cache/v_cache: [L, B, S, K, Dh] for all layers."""
+def _decoder_layer(cfg: LlamaConfig, p, x, positions, k_cache, v_cache, index, inv_freq, window: int | None = None):
+    """One pre-norm block. p: this layer's params; k_cache/v_cache: [L, B, S, K, Dh] for all layers. Attention sees
+    only the last `window` positions when the layer slides (Qwen2's use_sliding_window)."""
     h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q = jnp.einsum("btd,dhk->bthk", h, p["wq"])  # [B, T, H, Dh]
     k = jnp.einsum("btd,dhk->bthk", h, p["wk"])  # [B, T, K, Dh]
@@ -241,10 +251,25 @@ def _decoder_layer(cfg: LlamaConfig, p, x, positions, k_cache, v_cache, index, i
     rows = jnp.arange(x.shape[0])[:, None]
     k_cache = k_cache.at[index, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[index, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-    attn = L.cached_attention(q, k_cache[index], v_cache[index], positions, cfg.head_dim**-0.5)
+    if window is not None:
+        attn = L.windowed_attention(q, k_cache[index], v_cache[index], positions, cfg.head_dim**-0.5, window)
+    else:
+        attn = L.cached_attention(q, k_cache[index], v_cache[index], positions, cfg.head_dim**-0.5)
     out = jnp.einsum("bthk,hkd->btd", attn, p["wo"])
     if cfg.o_bias:
         out = out + p["bo"]
     x = x + out
     h = L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     return x + L.gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"]), k_cache, v_cache
+
+
+def _qwen2_sliding_layers(hf: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
+    """(window, sliding layer indices) as HF `Qwen2Config` reads them: nothing slides unless use_sliding_window;
+    then the layers that `layer_types` marks "sliding_attention", by default those from max_window_layers on."""
+    if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
+        return None, ()
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
+        for i in range(hf["num_hidden_layers"])
+    ]
+    return int(hf["sliding_window"]), tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")

@@ -289,9 +289,8 @@ def expert_parallel(
     needed (which keeps the path the same on CPU, where `ragged_all_to_all` does not exist, and on TPU/GPU). At
     decode sizes (a few tokens per row) the psum of a [B, T, D] block is the whole communication.
     """
-    gate_spec = partition_spec(("experts", "embed", "mlp"), w_gate.shape, mesh, rules)
-    down_spec = partition_spec(("experts", "mlp", "embed"), w_down.shape, mesh, rules)
-    expert_axis, mlp_axis = gate_spec[0], gate_spec[2]
+    # The params' own layout (by logical axes); the width D stays whole inside, so each shard's matmuls are complete.
+    expert_axis, _, mlp_axis = partition_spec(("experts", "embed", "mlp"), w_gate.shape, mesh, rules)
     reduce_axes = tuple(a for a in (expert_axis, mlp_axis) if a is not None)
     batch_axis = partition_spec(("batch",), x.shape[:1], mesh, rules)[0]
     if batch_axis in reduce_axes:  # tokens split over a reduced axis would be summed with other tokens
@@ -453,7 +452,8 @@ class MoeCausalLM(nnx.Module):
     def _constrain_cache(self, cache):
         if self.mesh is None:
             return cache
-        return jax.tree.map(lambda x, axes: constrain(x, axes, self.mesh, self.rules), cache, type(cache).logical_axes())
+        axes = type(cache).logical_axes()
+        return jax.tree.map(lambda x, names: constrain(x, names, self.mesh, self.rules), cache, axes)
 
     # -- family hooks ----------------------------------------------------------------------------------------------
 

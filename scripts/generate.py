@@ -4,6 +4,11 @@
     python scripts/generate.py --model qwen2.5-coder-1.5b --strategy speculative --assistant qwen2.5-coder-0.5b
     python scripts/generate.py --model PATH --strategy prompt_lookup --prompt-lookup-num-tokens 10 --json
     python scripts/generate.py --model DEEPSEEK_OR_GLM_FOLDER --strategy mtp
+    python scripts/generate.py --model DEEPSEEK_FOLDER --strategy mtp --distributed --mesh data=1,model=8,expert=4
+
+With --distributed (on every host of a TPU slice: the coordinator, process count and id are detected as
+`jax.distributed.initialize()` detects them; elsewhere pass --coordinator, --num-processes, --process-id) every
+process runs the same command, loads its own slices of the checkpoint and gets the same output; process 0 prints.
 
 --model takes an HF checkpoint folder, a .gguf file, or a catalogue name (offline default: smollm2-135m).
 Compiled loops are kept in JAX's persistent compilation cache ($JAXSPEC_COMPILATION_CACHE, default
@@ -47,6 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--exit-layer", type=int, default=None, help="E for --strategy early_exit")
     p.add_argument("--compare-plain", action="store_true",
                    help="also run plain greedy/sampling and print the speedup of the chosen strategy")
+    p.add_argument("--mesh", default=None, help="shard on a device mesh, e.g. data=1,model=8,expert=4 (default with "
+                                                "several processes: model=<all devices>)")
+    p.add_argument("--distributed", action="store_true",
+                   help="join a multi-process run; unset coordinator, process count and id are detected")
+    p.add_argument("--coordinator", default=None, help="host:port of process 0 (implies --distributed)")
+    p.add_argument("--num-processes", type=int, default=None, help="(implies --distributed)")
+    p.add_argument("--process-id", type=int, default=None, help="(implies --distributed)")
     args = p.parse_args(argv)
     if args.strategy == "speculative" and args.assistant is None:
         p.error("--strategy speculative needs --assistant PATH")
@@ -93,21 +105,36 @@ def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
+def start_distributed(args) -> bool:
+    """Join the other processes before anything else touches JAX (see jaxspec.distributed)."""
+    if not (args.distributed or args.coordinator or args.num_processes or args.process_id is not None):
+        return False
+    from jaxspec import distributed
+
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    return True
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    multiprocess = start_distributed(args)
     enable_compilation_cache()
-    import jaxspec
+    import jax
 
+    import jaxspec
+    from jaxspec.sharding import make_mesh
+
+    mesh = make_mesh(args.mesh or f"model={jax.device_count()}") if args.mesh or multiprocess else None
     start = time.perf_counter()
-    model = jaxspec.load(args.model, dtype=args.dtype, progress=not args.json)
-    assistant = jaxspec.load(args.assistant, dtype=args.dtype) if args.assistant else None
+    model = jaxspec.load(args.model, dtype=args.dtype, progress=not args.json and jax.process_index() == 0, mesh=mesh)
+    assistant = jaxspec.load(args.assistant, dtype=args.dtype, mesh=mesh) if args.assistant else None
     load_seconds = time.perf_counter() - start
     if model.tokenizer is None:
         print(f"{args.model} has no tokenizer; jaxspec needs one to read --prompt.", file=sys.stderr)
         return 2
     ids = encode(model.tokenizer, args.prompt, args.chat)
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample or args.strategy == "sample",
-                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, mesh=mesh)
     out = jaxspec.generate(model, [ids], assistant_model=assistant, **common, **strategy_kwargs(args))
     new_ids = out.sequences[0, len(ids): len(ids) + int(out.num_new_tokens[0])].tolist()
     text = model.tokenizer.decode(new_ids, skip_special_tokens=True)
@@ -117,6 +144,8 @@ def main(argv=None) -> int:
         report["plain_tokens_per_second"] = plain.tokens_per_second
         report["speedup_over_plain"] = out.tokens_per_second / plain.tokens_per_second
         report["same_tokens_as_plain"] = bool((plain.sequences == out.sequences).all())
+    if jax.process_index() != 0:
+        return 0  # every process holds the same outputs; process 0 prints them
     if args.json:
         print(json.dumps({"model": args.model, "prompt_ids": ids, "new_ids": new_ids, "text": text} | report))
         return 0

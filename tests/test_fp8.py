@@ -20,8 +20,9 @@ from jax.sharding import Mesh
 from safetensors.torch import save_file
 
 import jaxspec
-from jaxspec.convert.fp8 import SCALE_SUFFIX, quantize
-from jaxspec.convert.rules import CheckpointMismatch
+from jaxspec.convert.deepseek_v3 import deinterleave_order
+from jaxspec.convert.fp8 import SCALE_SUFFIX, DequantizedSource, Fp8BlockQuantization, quantize
+from jaxspec.convert.rules import CheckpointMismatch, Layout, merge_heads_out, split_head_bias, split_heads, transposed
 from tests.test_generate import PROMPTS, left_padded
 from tests.test_moe_models import DEEPSEEK, HF_CLASSES, read_tensors, save_checkpoint
 
@@ -148,3 +149,47 @@ def test_fp8_errors_name_the_tensors(pair, tmp_path):
                                                        "weight_block_size": [BLOCK, BLOCK]}}, f)
     with pytest.raises(NotImplementedError, match="fmt='e5m2'"):
         jaxspec.load(str(tmp_path), dtype=jnp.float32)
+
+
+def test_layout_boxes_equal_slices_of_the_whole_transform():
+    """Every box of a Layout's output, read alone from the HF tensor, equals that box of the whole transform: split
+    heads, rope rows reordered inside each head, transposes, merged output heads, and FP8 blocks cut mid-block."""
+    rng = np.random.default_rng(0)
+    h, dn, dr, width = 3, 4, 6, 10
+    cases = [
+        (Layout(split=((h, dn + dr), None), perm=(2, 0, 1), orders=((1, deinterleave_order(dn + dr, dn, dr)),)),
+         (h * (dn + dr), width)),
+        (Layout(split=(None, None), perm=(1, 0), orders=((0, deinterleave_order(8 + dr, 8, dr)),)), (8 + dr, width)),
+        (split_heads(width, h, 5), (h * 5, width)),
+        (split_head_bias(h, 5), (h * 5,)),
+        (merge_heads_out(h, 5), (width, h * 5)),
+        (transposed(), (7, width)),
+    ]
+    for layout, shape in cases:
+        w = rng.normal(size=shape).astype(np.float32)
+        whole = layout(w)
+        for _ in range(20):
+            box = []
+            for n in whole.shape:
+                start = int(rng.integers(0, n))
+                box.append(slice(start, int(rng.integers(start + 1, n + 1))))
+            box = tuple(box)
+            np.testing.assert_array_equal(layout.read(lambda b: w[b], shape, box), whole[box])
+
+    class Source:  # an fp8 weight and its scale blocks, in memory
+        def __init__(self, tensors):
+            self.tensors, self.shapes = tensors, {k: v.shape for k, v in tensors.items()}
+
+        def dtype(self, name):
+            return self.tensors[name].dtype
+
+        def read(self, name):
+            return self.tensors[name]
+
+    weight, scale = quantize(rng.normal(size=(50, 37)).astype(np.float32), (BLOCK, BLOCK))
+    source = DequantizedSource(Source({"w.weight": weight, "w.weight" + SCALE_SUFFIX: scale}),
+                               Fp8BlockQuantization((BLOCK, BLOCK)))
+    whole = source.read("w.weight")
+    assert source.shapes == {"w.weight": (50, 37)}
+    for box in [(slice(3, 49), slice(25, 37)), (slice(24, 25), slice(0, 1)), (slice(47, 50), slice(10, 30))]:
+        np.testing.assert_array_equal(source.read_box("w.weight", box), whole[box])

@@ -107,6 +107,7 @@ def write_gguf(
     path: str,
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     arch: str | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write `model` as llama.cpp would; return what a reader should get back for each HF name.
 
@@ -140,6 +141,8 @@ def write_gguf(
         else:
             writer.add_tensor(gguf_name(hf_name), np.ascontiguousarray(stored, dtype=np.float32))
             expected[hf_name] = w
+    for name, value in (extra_tensors or {}).items():
+        writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -262,8 +265,8 @@ def test_missing_file(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     path = str(tmp_path / "m.gguf")
-    write_gguf(tiny_model("llama", True), path, arch="gemma3")
-    with pytest.raises(ValueError, match=r"'gemma3'.*supported: llama, qwen2"):
+    write_gguf(tiny_model("llama", True), path, arch="falcon")
+    with pytest.raises(ValueError, match=r"'falcon'.*supported: llama, qwen2, gemma3"):
         read_gguf(path)
 
 
@@ -296,8 +299,10 @@ def test_unmapped_tensor_is_named(tmp_path):
         read_gguf(_with_extra_tensor(tmp_path, "blk.0.attn_q_norm.weight"))
 
 
-def test_llama3_rope_scaling_is_not_silently_ignored(tmp_path):
-    with pytest.raises(NotImplementedError, match="llama3 rope scaling"):
+def test_rope_freqs_that_are_not_llama3_scaling_are_refused(tmp_path):
+    """All-ones divisors (what `_with_extra_tensor` writes) are no Llama 3 scaling; silently using them could not be
+    told apart from a file whose scaling jaxspec misread."""
+    with pytest.raises(NotImplementedError, match="not Llama 3 rope scaling"):
         read_gguf(_with_extra_tensor(tmp_path, "rope_freqs.weight"))
 
 
@@ -311,3 +316,178 @@ def test_unknown_tensor_name_raises_key_error(tmp_path):
     write_gguf(tiny_model("llama", True), path)
     with pytest.raises(KeyError, match="lm_head"):
         read_gguf(path).read_tensor("lm_head.weight")
+
+
+def jitted_logits(model, ids: np.ndarray) -> np.ndarray:
+    """The loaded model's logits for every position of `ids` (one compile instead of op-by-op dispatch)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(model.module)
+
+    @jax.jit
+    def run(state, tokens):
+        module = nnx.merge(graphdef, state)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        return module(tokens, positions, module.init_cache(*tokens.shape))[0]
+
+    return np.asarray(run(state, jnp.asarray(ids)))
+
+
+# -- Llama 3 rope scaling: llama.cpp stores it as a `rope_freqs` tensor, not as metadata -----------------------------
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def llama_cpp_rope_freqs(config) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's `LlamaModel.generate_extra_tensors` for llama3 rope: per frequency, the
+    divisor of its inverse frequency."""
+    rope, dim = config.rope_parameters, config.head_dim
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old_context = rope["original_max_position_embeddings"]
+    low_wavelen = old_context / rope["low_freq_factor"]
+    high_wavelen = old_context / rope["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old_context / wavelen - rope["low_freq_factor"]) / (
+                rope["high_freq_factor"] - rope["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.asarray(factors, np.float32)
+
+
+def test_llama3_rope_loads_from_rope_freqs(tmp_path):
+    """Theta 100 and an original context of 64 put two of the four frequencies in the blended band, one above and
+    one below it: the config read back is the HF one, and the logits are the HF model's."""
+    import jaxspec
+
+    torch.manual_seed(0)
+    config = tiny_config("llama", tied=True)
+    config.rope_parameters = dict(LLAMA3_ROPE)
+    model = transformers.LlamaForCausalLM(config).eval()
+    factors = llama_cpp_rope_freqs(model.config)
+    assert 1.0 < factors[1] < factors[2] < 8.0 and factors[0] == 1.0 and factors[3] == 8.0
+    path = str(tmp_path / "llama3.gguf")
+    write_gguf(model, path, extra_tensors={"rope_freqs.weight": factors})
+    ckpt = read_gguf(path)
+    assert ckpt.hf_config["rope_parameters"] == LLAMA3_ROPE
+    assert "rope_freqs.weight" not in ckpt.tensor_shapes
+    ids = np.random.RandomState(0).randint(0, VOCAB, (1, 40))
+    logits = jitted_logits(jaxspec.load(path), ids)
+    with torch.no_grad():
+        expected = model(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=2e-4, rtol=1e-4)
+
+
+# -- gemma3 --------------------------------------------------------------------------------------------------------
+
+_GEMMA3_BLOCK = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+GEMMA3_WINDOW = 4
+
+
+def tiny_gemma3() -> transformers.Gemma3ForCausalLM:
+    """6 layers (the 6th global, as llama.cpp assumes for every gemma3 file), a 4-token window, linear rope scaling
+    on the global layer, and the query scale llama.cpp uses (1/sqrt(head_dim))."""
+    from tests import hf_models
+
+    return hf_models.build_tiny_gemma(
+        "gemma3_text", seed=5, vocab_size=VOCAB, num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=8,
+        head_dim=8, sliding_window=GEMMA3_WINDOW, rms_norm_eps=1e-6,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})
+
+
+def write_gemma3_gguf(model, path: str, qtype=gguf.GGMLQuantizationType.F32) -> None:
+    """As llama.cpp writes gemma3: its names, every norm weight stored as w + 1, no q/k permutation."""
+    config = model.config
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(config.rope_parameters["full_attention"]["factor"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_sliding_window(config.sliding_window)
+    add_tokenizer(writer)
+    for hf_name, w in hf_state(model).items():
+        if hf_name == "model.embed_tokens.weight":
+            name = "token_embd.weight"
+        elif hf_name == "model.norm.weight":
+            name = "output_norm.weight"
+        else:
+            _, _, layer, rest = hf_name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            name = f"blk.{layer}.{_GEMMA3_BLOCK[module]}.{kind}"
+        if hf_name.endswith("norm.weight"):
+            w = w + np.float32(1.0)
+        if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            data = gguf.quants.quantize(w, qtype)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0], ids=["f32", "q8_0"])
+def test_gemma3_tensors_match_transformers_gguf_loader(tmp_path, qtype):
+    """Names, the w + 1 norms and dequantization, against transformers' own gemma3 GGUF reader."""
+    model = tiny_gemma3()
+    path = str(tmp_path / "g3.gguf")
+    write_gemma3_gguf(model, path, qtype)
+    ckpt = read_gguf(path)
+    reference = transformers_state(path)
+    assert set(ckpt.tensor_shapes) == set(reference) - {"lm_head.weight"}
+    for name in ckpt.tensor_shapes:
+        np.testing.assert_array_equal(ckpt.read_tensor(name), reference[name], err_msg=name)
+    for name, want in hf_state(model).items():
+        np.testing.assert_allclose(ckpt.read_tensor(name), want, atol=0.02 if want.ndim == 2 else 1e-6, err_msg=name)
+
+
+def test_gemma3_config_and_logits_match_transformers(tmp_path):
+    """The config read from metadata is the model's own (window, layer pattern, both rope bases and the global
+    layer's linear scaling), and the loaded model gives its logits over a sequence 6 times the window."""
+    import jaxspec
+
+    model = tiny_gemma3()
+    path = str(tmp_path / "g3.gguf")
+    write_gemma3_gguf(model, path)
+    cfg = read_gguf(path).hf_config
+    want = model.config.to_dict()
+    for key in ("model_type", "sliding_window", "layer_types", "rope_parameters", "query_pre_attn_scalar", "head_dim",
+                "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings"):
+        assert cfg[key] == want[key], key
+    ids = np.random.RandomState(0).randint(0, VOCAB, (2, 6 * GEMMA3_WINDOW))
+    logits = jitted_logits(jaxspec.load(path), ids)
+    with torch.no_grad():
+        expected = model(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=2e-4, rtol=1e-4)
