@@ -18,7 +18,7 @@ import collections
 import dataclasses
 import functools
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -156,6 +156,11 @@ def generate(
     use_mtp: bool = False,
     tokenizer: Any = None,
     assistant_tokenizer: Any = None,
+    stop_strings: str | Sequence[str] | None = None,
+    max_time: float | None = None,
+    streamer: Any = None,
+    on_tokens: Callable[[list[np.ndarray]], None] | None = None,
+    rounds_per_dispatch: int | None = None,
 ) -> GenerateOutput:
     """Generate up to `max_new_tokens` per row, plainly or with one assisted strategy, in one compiled loop.
 
@@ -167,6 +172,13 @@ def generate(
     plain greedy decoding for every strategy; sampling is exact except with `assistant_ensemble_weight`, which
     verifies against the mixture w*p + (1-w)*q by design. Only shapes and the strategy are compiled in: new
     sampling values, penalties or prompts of similar length reuse the executables.
+
+    Output as it is made: `streamer` follows transformers' protocol (`put(prompt ids)`, then `put(new ids)` as
+    rounds commit, then `end()`; `TextStreamer` and `TextIteratorStreamer` work) for a batch of one row;
+    `on_tokens(rows)` is called with each row's newly committed tokens (a list of int32 arrays, possibly empty)
+    for any batch. `stop_strings` end a row at the token that completes one (decoded with `tokenizer`, default the
+    model's); `max_time` (seconds) ends the call after the round in progress. These run the same compiled loop
+    `rounds_per_dispatch` rounds at a time (default STREAM_ROUNDS) and check between dispatches.
     """
     resolved = settings_lib.resolve(
         model, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -182,9 +194,12 @@ def generate(
         max_matching_ngram_size=max_matching_ngram_size, assistant_early_exit=assistant_early_exit,
         use_mtp=use_mtp, tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer,
     )
+    control = HostControl.build(stop_strings=stop_strings, max_time=max_time, streamer=streamer,
+                                on_tokens=on_tokens, rounds_per_dispatch=rounds_per_dispatch,
+                                tokenizer=tokenizer if tokenizer is not None else model.tokenizer)
     output = run_drafter(model, input_ids, attention_mask, choice.drafter, choice.assistant, resolved, mesh=mesh,
                          sharding_rules=sharding_rules, ensemble_weight=assistant_ensemble_weight,
-                         strategy_name=choice.name)
+                         strategy_name=choice.name, control=control)
     if choice.name == "speculative" and choice.drafter.schedule.kind == "heuristic":
         # As HF: the "heuristic" schedule's adapted length carries over to the assistant's next call.
         final = output.drafter_summary["num_assistant_tokens"]
@@ -205,9 +220,13 @@ def run_drafter(
     ensemble_weight: float | None = None,
     strategy_name: str = "custom",
     prefill_chunk: int | None = None,
+    control: HostControl | None = None,
 ) -> GenerateOutput:
     """The loop with a ready-made drafter (for research drafters that `generate`'s arguments do not name)."""
+    control = control or HostControl()
+    started = time.perf_counter()
     prompts = prompt_rows(input_ids, attention_mask, settings.pad_id, settings.eos_ids)
+    control.check_batch(len(prompts))
     _check_budget(model, prompts, settings.max_new_tokens)
     rules = sharding_rules or ShardingRules()
     chunk = prefill_chunk or default_prefill_chunk()
@@ -246,12 +265,134 @@ def run_drafter(
     start = time.perf_counter()
     state = jax.block_until_ready(prefill(*prefill_args))
     prefill_seconds = time.perf_counter() - start
-    no_round_limit = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
-    state = jax.block_until_ready(rounds(target_state, assistant_state, state, inputs, no_round_limit))
+    if not control.active:
+        no_round_limit = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
+        state = jax.block_until_ready(rounds(target_state, assistant_state, state, inputs, no_round_limit))
+    else:
+        # The same executable, a few rounds per dispatch; the state stays on the device between dispatches and
+        # the host reads only lengths and the token buffer.
+        control.begin(prompts, prompt_lengths, deadline_from=started)
+        per_dispatch = jnp.asarray(control.rounds_per_dispatch, jnp.int32)
+        while True:
+            tokens, lengths, done = distributed.fetch((state.tokens, state.lengths, state.done))
+            stop = control.after_dispatch(tokens, lengths)
+            if (done | stop).all() or control.out_of_time():
+                break
+            if stop.any():
+                state = dataclasses.replace(state, done=_place(done | stop, mesh, rules))
+            state = rounds(target_state, assistant_state, state, inputs, per_dispatch)
+        control.finish()
     decode_seconds = time.perf_counter() - start
     final = distributed.fetch((state.tokens, state.lengths, state.counters, drafter.summary(state.drafter)))
-    return _unpack(final, input_ids, prompts, prompt_lengths, settings.pad_id, compile_seconds, decode_seconds,
-                   prefill_seconds, strategy_name)
+    output = _unpack(final, input_ids, prompts, prompt_lengths, settings.pad_id, compile_seconds, decode_seconds,
+                     prefill_seconds, strategy_name)
+    return control.crop(output, input_ids, prompts, settings.pad_id)
+
+
+STREAM_ROUNDS = 1  # rounds per dispatch when the host watches the output (streaming, stop strings, max_time)
+
+
+@dataclasses.dataclass
+class HostControl:
+    """What the host does between dispatches of the round loop: hand new tokens to a streamer or callback, end rows
+    whose text completed a stop string, and end the call past `max_time`.
+
+    A stop string ends its row at the token whose text completes it (transformers' StopStringCriteria stops at the
+    same token in plain decoding; in its assisted loop a whole verified block is kept, past the stop string). Text
+    is each row's decoded new tokens: a stop string that starts inside the prompt is not seen.
+    """
+
+    stop_strings: tuple[str, ...] = ()
+    max_time: float | None = None
+    streamer: Any = None
+    on_tokens: Callable[[list[np.ndarray]], None] | None = None
+    rounds_per_dispatch: int = STREAM_ROUNDS
+    tokenizer: Any = None
+
+    @classmethod
+    def build(cls, *, stop_strings, max_time, streamer, on_tokens, rounds_per_dispatch, tokenizer) -> "HostControl":
+        """Validated settings (errors before anything compiles)."""
+        if isinstance(stop_strings, str):
+            stop_strings = (stop_strings,)
+        stop_strings = tuple(stop_strings or ())
+        if not all(isinstance(text, str) and text for text in stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}.")
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer to read the text: pass tokenizer= (this model has none).")
+        if max_time is not None and not (isinstance(max_time, (int, float)) and max_time > 0):
+            raise ValueError(f"max_time must be a number of seconds > 0, got {max_time!r}.")
+        if streamer is not None and not (hasattr(streamer, "put") and hasattr(streamer, "end")):
+            raise TypeError("streamer must have put(ids) and end() (transformers' streamer protocol).")
+        if rounds_per_dispatch is not None and (isinstance(rounds_per_dispatch, bool) or
+                                                not isinstance(rounds_per_dispatch, int) or rounds_per_dispatch < 1):
+            raise ValueError(f"rounds_per_dispatch must be an integer >= 1, got {rounds_per_dispatch!r}.")
+        return cls(stop_strings, max_time, streamer, on_tokens, rounds_per_dispatch or STREAM_ROUNDS, tokenizer)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.stop_strings or self.max_time or self.streamer is not None or self.on_tokens is not None)
+
+    def check_batch(self, batch: int) -> None:
+        if self.streamer is not None and batch != 1:
+            raise ValueError(f"a streamer follows transformers' protocol, which streams one row; this batch has {batch}. "
+                             "Pass on_tokens=callback instead: it gets every row's new tokens.")
+
+    def begin(self, prompts, prompt_lengths, deadline_from: float) -> None:
+        self._prompt_lengths = prompt_lengths
+        self._emitted = prompt_lengths.copy()  # [B] tokens handed out so far, prompt included
+        self._stop_at = np.full(len(prompts), -1)  # [B] new tokens kept when a stop string ended the row
+        self._deadline = None if self.max_time is None else deadline_from + self.max_time
+        if self.streamer is not None:
+            self.streamer.put(np.asarray(prompts[0])[None])
+
+    def out_of_time(self) -> bool:
+        return self._deadline is not None and time.perf_counter() > self._deadline
+
+    def after_dispatch(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Hand out what the rows committed since the last dispatch; -> [B] rows that a stop string ends."""
+        stop = self._stop_at >= 0
+        for row in np.flatnonzero(~stop):
+            if self.stop_strings:
+                new = tokens[row, self._prompt_lengths[row]: lengths[row]]
+                kept = self._stop_point(new, already=self._emitted[row] - self._prompt_lengths[row])
+                if kept is not None:
+                    self._stop_at[row] = kept
+                    lengths = lengths.copy()
+                    lengths[row] = self._prompt_lengths[row] + kept
+                    stop[row] = True
+        fresh = [tokens[row, self._emitted[row]: max(lengths[row], self._emitted[row])] for row in range(len(lengths))]
+        self._emitted = np.maximum(self._emitted, lengths)
+        if self.streamer is not None and len(fresh[0]):
+            self.streamer.put(fresh[0])
+        if self.on_tokens is not None:
+            self.on_tokens(fresh)
+        return stop
+
+    def _stop_point(self, new: np.ndarray, already: int) -> int | None:
+        """The number of new tokens up to the one whose text completes a stop string, or None."""
+        text = self.tokenizer.decode(new.tolist())
+        if not any(s in text for s in self.stop_strings):
+            return None
+        for kept in range(max(already, 1), len(new) + 1):  # the text up to `already` had no stop string
+            text = self.tokenizer.decode(new[:kept].tolist())
+            if any(s in text for s in self.stop_strings):
+                return kept
+        return len(new)
+
+    def finish(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()
+
+    def crop(self, output: GenerateOutput, input_ids, prompts, pad_id) -> GenerateOutput:
+        """Rows a stop string ended keep their tokens up to it; the rest of the row becomes padding."""
+        if not self.stop_strings or (self._stop_at < 0).all():
+            return output
+        width = output.sequences.shape[1] - int(output.num_new_tokens.max())
+        kept = np.where(self._stop_at >= 0, np.minimum(self._stop_at, output.num_new_tokens), output.num_new_tokens)
+        sequences = output.sequences[:, : width + int(kept.max())].copy()
+        for row, n in enumerate(kept):
+            sequences[row, width + n:] = pad_id
+        return dataclasses.replace(output, sequences=sequences, num_new_tokens=kept.astype(np.int32))
 
 
 def buffer_size(needed: int, chunk: int) -> int:

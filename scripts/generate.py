@@ -34,9 +34,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--strategy", choices=STRATEGY_CHOICES, default="greedy")
     p.add_argument("--do-sample", action="store_true", help="sample (implied by --strategy sample)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None)
+    # Unset values come from the model's generation_config.json, else HF's defaults (top_k=50 when sampling).
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None, help="0 disables it")
     p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--no-repeat-ngram-size", type=int, default=None)
+    p.add_argument("--min-new-tokens", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print ids, text and counters as one JSON object")
@@ -44,14 +49,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--assistant", default=None, help="assistant model for --strategy speculative")
     p.add_argument("--num-assistant-tokens", type=int, default=None)
     p.add_argument("--num-assistant-tokens-schedule", default=None,
-                   choices=("constant", "heuristic", "heuristic_transient"))
+                   choices=("adaptive", "constant", "heuristic", "heuristic_transient"),
+                   help="draft-length schedule (default: adaptive; constant is transformers' default)")
     p.add_argument("--assistant-confidence-threshold", type=float, default=None)
     p.add_argument("--assistant-ensemble-weight", type=float, default=None)
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
     p.add_argument("--max-matching-ngram-size", type=int, default=None)
     p.add_argument("--exit-layer", type=int, default=None, help="E for --strategy early_exit")
     p.add_argument("--compare-plain", action="store_true",
-                   help="also run plain greedy/sampling and print the speedup of the chosen strategy")
+                   help="also run plain decoding with the same settings and print the strategy's speedup over it")
     p.add_argument("--mesh", default=None, help="shard on a device mesh, e.g. data=1,model=8,expert=4 (default with "
                                                 "several processes: model=<all devices>)")
     p.add_argument("--distributed", action="store_true",
@@ -79,23 +85,21 @@ def enable_compilation_cache() -> None:
 
 
 def strategy_kwargs(args) -> dict:
-    if args.strategy == "speculative":
-        return dict(num_assistant_tokens=args.num_assistant_tokens,
-                    num_assistant_tokens_schedule=args.num_assistant_tokens_schedule,
-                    assistant_confidence_threshold=args.assistant_confidence_threshold,
-                    assistant_ensemble_weight=args.assistant_ensemble_weight)
+    """The strategy's generate() arguments; an option the strategy does not use reaches generate, which names it."""
+    draft_length = dict(num_assistant_tokens=args.num_assistant_tokens,
+                        num_assistant_tokens_schedule=args.num_assistant_tokens_schedule,
+                        assistant_confidence_threshold=args.assistant_confidence_threshold,
+                        assistant_ensemble_weight=args.assistant_ensemble_weight)
+    if args.strategy in ("greedy", "sample"):
+        return {}
     if args.strategy == "prompt_lookup":
-        return dict(prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
-                    max_matching_ngram_size=args.max_matching_ngram_size)
+        return draft_length | dict(prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+                                   max_matching_ngram_size=args.max_matching_ngram_size)
     if args.strategy == "mtp":
-        return dict(use_mtp=True, num_assistant_tokens=args.num_assistant_tokens,
-                    assistant_ensemble_weight=args.assistant_ensemble_weight)
+        return draft_length | dict(use_mtp=True)
     if args.strategy == "early_exit":
-        return dict(assistant_early_exit=args.exit_layer, num_assistant_tokens=args.num_assistant_tokens,
-                    num_assistant_tokens_schedule=args.num_assistant_tokens_schedule,
-                    assistant_confidence_threshold=args.assistant_confidence_threshold,
-                    assistant_ensemble_weight=args.assistant_ensemble_weight)
-    return {}
+        return draft_length | dict(assistant_early_exit=args.exit_layer)
+    return draft_length
 
 
 def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -103,6 +107,13 @@ def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
         return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False))
     return tokenizer(prompt)["input_ids"]
+
+
+def plain_is_sampling(model, common) -> bool:
+    """Whether these settings sample (the call's do_sample, else the model's generation_config)."""
+    if common["do_sample"] is not None:
+        return bool(common["do_sample"])
+    return bool(model.generation_config.get("do_sample", False))
 
 
 def start_distributed(args) -> bool:
@@ -133,8 +144,10 @@ def main(argv=None) -> int:
         print(f"{args.model} has no tokenizer; jaxspec needs one to read --prompt.", file=sys.stderr)
         return 2
     ids = encode(model.tokenizer, args.prompt, args.chat)
-    common = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample or args.strategy == "sample",
-                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, mesh=mesh)
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=True if args.do_sample or args.strategy == "sample" else None,
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                  repetition_penalty=args.repetition_penalty, no_repeat_ngram_size=args.no_repeat_ngram_size,
+                  min_new_tokens=args.min_new_tokens, seed=args.seed, mesh=mesh)
     out = jaxspec.generate(model, [ids], assistant_model=assistant, **common, **strategy_kwargs(args))
     new_ids = out.sequences[0, len(ids): len(ids) + int(out.num_new_tokens[0])].tolist()
     text = model.tokenizer.decode(new_ids, skip_special_tokens=True)
@@ -143,7 +156,9 @@ def main(argv=None) -> int:
         plain = jaxspec.generate(model, [ids], **common)
         report["plain_tokens_per_second"] = plain.tokens_per_second
         report["speedup_over_plain"] = out.tokens_per_second / plain.tokens_per_second
-        report["same_tokens_as_plain"] = bool((plain.sequences == out.sequences).all())
+        # Greedy output must be identical; sampled outputs come from other random streams and may differ.
+        same = plain.sequences.shape == out.sequences.shape and bool((plain.sequences == out.sequences).all())
+        report["same_tokens_as_plain"] = same if not plain_is_sampling(model, common) else None
     if jax.process_index() != 0:
         return 0  # every process holds the same outputs; process 0 prints them
     if args.json:
@@ -152,14 +167,16 @@ def main(argv=None) -> int:
     print(text)
     print()
     print(f"[{out.strategy}] {int(out.num_new_tokens[0])} tokens in {out.decode_seconds:.2f}s = "
-          f"{out.tokens_per_second:.1f} tok/s (compile {out.compile_seconds:.1f}s, load {load_seconds:.1f}s)")
+          f"{out.tokens_per_second:.1f} tok/s (prefill {out.prefill_seconds:.2f}s of it; load {load_seconds:.1f}s, "
+          f"compile {out.compile_seconds:.1f}s apart)")
     print(f"target forwards {out.target_forwards}, rounds {out.rounds}, draft forwards {out.draft_forwards}")
     if int(out.drafted.sum()):
         print(f"acceptance rate {out.acceptance_rate:.2f}, mean accepted length {out.mean_accepted_length:.2f} "
               f"tokens/round, histogram {report['accepted_length_histogram']}")
     if "speedup_over_plain" in report:
+        same = report["same_tokens_as_plain"]
         print(f"plain: {report['plain_tokens_per_second']:.1f} tok/s -> speedup {report['speedup_over_plain']:.2f}x, "
-              f"identical tokens: {report['same_tokens_as_plain']}")
+              f"identical tokens: {'n/a (sampling)' if same is None else same}")
     return 0
 
 

@@ -17,18 +17,28 @@ from scipy import stats
 
 
 @torch.no_grad()
-def exact_marginals(hf_model, prompt: list[int], positions: int, temperature: float = 1.0) -> np.ndarray:
-    """[positions, V]: P(the i-th new token = v) when sampling from softmax(logits / temperature), no other warper."""
-    vocab = hf_model.config.vocab_size
+def exact_marginals(model, prompt: list[int], positions: int, temperature: float = 1.0,
+                    processors=None) -> np.ndarray:
+    """[positions, V]: P(the i-th new token = v) when sampling from softmax(logits / temperature), no other warper,
+    or from `processors` (a transformers LogitsProcessorList, applied to every prefix, warpers included) when given.
+
+    `model`: a transformers model, or a function from a batch of equal-length token lists to last-position logits.
+    """
+    last_logits = model if callable(model) and not isinstance(model, torch.nn.Module) else (
+        lambda batch: model(torch.tensor(batch)).logits[:, -1].numpy())
     marginals, prefix_probs = [], np.ones(1)
     prefixes = [tuple()]
     for _ in range(positions):
-        batch = torch.tensor([prompt + list(p) for p in prefixes])
-        logits = hf_model(batch).logits[:, -1].double() / temperature
-        conditional = torch.softmax(logits, -1).numpy()  # [prefixes, V]
+        batch = [prompt + list(p) for p in prefixes]
+        logits = np.asarray(last_logits(batch), np.float32)
+        if processors is not None:
+            logits = processors(torch.tensor(batch), torch.tensor(logits)).numpy()
+        logits = logits.astype(np.float64) / (1.0 if processors is not None else temperature)
+        conditional = np.exp(logits - logits.max(-1, keepdims=True))  # removed tokens: exp(-inf) = 0
+        conditional /= conditional.sum(-1, keepdims=True)  # [prefixes, V]
         joint = prefix_probs[:, None] * conditional
         marginals.append(joint.sum(0))
-        prefixes = [p + (v,) for p in prefixes for v in range(vocab)]
+        prefixes = [p + (v,) for p in prefixes for v in range(conditional.shape[-1])]
         prefix_probs = joint.reshape(-1)
     return np.array(marginals)
 
