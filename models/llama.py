@@ -16,6 +16,7 @@ from flax import nnx
 from jaxspec.cache import KVCache, init_kv_cache
 
 from . import layers as L
+from .moe import num_mtp_layers
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -45,6 +46,8 @@ class LlamaConfig:
     # Qwen2's use_sliding_window: these layers attend to the last `sliding_window` positions only
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    num_mtp_layers: int = 0  # DeepSeek-style MTP layers stored at model.layers.{num_layers + k}
+    draft_vocab_size: int = 0  # V' > 0: MTP drafts use a head over these V' token ids only (EAGLE-3, FR-Spec)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> "LlamaConfig":
@@ -74,6 +77,12 @@ class LlamaConfig:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         attention_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
+        mtp_layers, draft_vocab_size = num_mtp_layers(hf), int(hf.get("draft_vocab_size") or 0)
+        if draft_vocab_size and not (mtp_layers and 0 < draft_vocab_size <= hf["vocab_size"]):
+            raise ValueError(
+                f"draft_vocab_size={draft_vocab_size} restricts the head of MTP drafts, so it needs "
+                f"num_nextn_predict_layers > 0 (got {mtp_layers}) and at most vocab_size={hf['vocab_size']} tokens."
+            )
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -97,6 +106,8 @@ class LlamaConfig:
             pad_token_id=hf.get("pad_token_id"),
             sliding_window=sliding_window,
             sliding_layers=sliding_layers,
+            num_mtp_layers=mtp_layers,
+            draft_vocab_size=draft_vocab_size,
         )
 
     def window(self, layer: int) -> int | None:
@@ -160,6 +171,22 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 TOP_LEVEL = ("embed", "final_norm", "lm_head")
 
+# What an MTP layer adds to a decoder block (DeepSeek-V3's names): norms on the token embedding and on the previous
+# state, the projection of their concatenation [2D, D], and the norm on the block output (HF `shared_head.norm`).
+MTP_AXES: dict[str, tuple[str, ...]] = {
+    "enorm": ("embed",),
+    "hnorm": ("embed",),
+    "eh_proj": ("mlp", "embed"),  # sharded on its input like a down projection
+    "out_norm": ("embed",),
+}
+
+
+def mtp_layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every parameter of one MTP layer: a decoder block of the target's own recipe plus `MTP_AXES`."""
+    d = cfg.hidden_size
+    block = {name: shape[1:] for name, shape in param_shapes(cfg).items() if name not in TOP_LEVEL}
+    return block | {"enorm": (d,), "hnorm": (d,), "eh_proj": (2 * d, d), "out_norm": (d,)}
+
 
 def _init_value(name: str, shape: tuple[int, ...], dtype, rngs: nnx.Rngs) -> jax.Array:
     if "norm" in name:
@@ -182,6 +209,19 @@ class LlamaDecoderLayer(nnx.Module):
         return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
+class LlamaMtpLayer(LlamaDecoderLayer):
+    """One MTP depth: a decoder block of the target's recipe plus enorm, hnorm, eh_proj and out_norm."""
+
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
+        for name, shape in mtp_layer_shapes(cfg).items():
+            axes = MTP_AXES.get(name) or PARAM_AXES[name][1:]
+            setattr(self, name, nnx.Param(_init_value(name, shape, dtype, rngs), logical_axes=axes))
+
+
+class DraftVocab(nnx.Variable):
+    """Token ids [V'] that MTP drafts may propose; not a trained parameter."""
+
+
 class LlamaForCausalLM(nnx.Module):
     """`model(tokens[B,T], positions[B,T], cache) -> (logits[B,T,V], hidden[B,T,D], cache)`.
 
@@ -200,6 +240,11 @@ class LlamaForCausalLM(nnx.Module):
             if name in TOP_LEVEL:
                 setattr(self, name, nnx.Param(_init_value(name, shape, dtype, rngs), logical_axes=PARAM_AXES[name]))
         self.layers = nnx.List([LlamaDecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        # Only models that have them get the attributes, so conversions written without MTP keep their layout.
+        if cfg.num_mtp_layers:
+            self.mtp_layers = nnx.List([LlamaMtpLayer(cfg, dtype, rngs) for _ in range(cfg.num_mtp_layers)])
+        if cfg.draft_vocab_size:
+            self.draft_vocab = DraftVocab(jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32))
 
     # -- pieces, so drafters can run part of the network ---------------------------------------------------------
 
@@ -236,10 +281,74 @@ class LlamaForCausalLM(nnx.Module):
         c = self.cfg
         return init_kv_cache(c.num_layers, batch, size, c.num_kv_heads, c.head_dim, self.dtype)
 
+    # -- MTP: the interface of MoeCausalLM (models/moe.py), so the same MtpDrafter runs both ------------------------
 
-def _decoder_layer(cfg: LlamaConfig, p, x, positions, k_cache, v_cache, index, inv_freq, window: int | None = None):
+    @property
+    def num_mtp_layers(self) -> int:
+        return self.cfg.num_mtp_layers
+
+    def init_mtp_cache(self, batch: int, size: int, depths: int | None = None) -> KVCache:
+        """One position-indexed cache per MTP depth, stacked on the leading axis; `depths` may exceed the number of
+        layers when the last layer drafts the extra tokens (each depth still keeps its own cache)."""
+        self._check_mtp_depth(0)
+        c = self.cfg
+        return init_kv_cache(depths or c.num_mtp_layers, batch, size, c.num_kv_heads, c.head_dim, self.dtype)
+
+    def mtp_step(
+        self, depth: int, tokens: jax.Array, prev_hidden: jax.Array, positions: jax.Array, mtp_cache: KVCache,
+        layer: int | None = None,
+    ) -> tuple[jax.Array, jax.Array, KVCache]:
+        """One MTP depth over T entries: `(normed_out[B,T,D], logits[B,T,V], mtp_cache)`, as `MoeCausalLM.mtp_step`.
+
+        Entry j embeds `tokens[:, j]` at `positions[:, j]` = i and reads `prev_hidden[:, j]`, the state at i-1 (depth
+        0: the main model's final-normed hidden state; depth k: depth k-1's `normed_out`); its logits predict the
+        token at i+1. Attention sees this depth's cache entries in [depth+1, i]: depth k has none below k+1.
+        """
+        layer = depth if layer is None else layer
+        self._check_mtp_depth(layer)
+        p = self.mtp_layers[layer].params()
+        eps = self.cfg.rms_norm_eps
+        e = L.rms_norm(self.embed_tokens(tokens), p["enorm"], eps)
+        h = L.rms_norm(prev_hidden.astype(e.dtype), p["hnorm"], eps)
+        x = jnp.concatenate([e, h], axis=-1) @ p["eh_proj"]  # [B, T, D]
+        x, k_cache, v_cache = _decoder_layer(self.cfg, p, x, positions, mtp_cache.k, mtp_cache.v, depth,
+                                             self.cfg.inv_freq(), first=depth + 1)
+        out = L.rms_norm(x, p["out_norm"], eps)
+        return out, self.logits(out), KVCache(k=k_cache, v=v_cache)
+
+    def draft_vocab_logits(self, hidden: jax.Array) -> jax.Array:
+        """The draft head over the V' token ids of `draft_vocab`: [..., D] -> [..., V'], float32."""
+        ids = self.draft_vocab[...]
+        if self.cfg.tie_word_embeddings:
+            return jnp.einsum("...d,vd->...v", hidden, self.embed[...][ids], preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", hidden, self.lm_head[...][:, ids], preferred_element_type=jnp.float32)
+
+    def draft_logits(self, hidden: jax.Array) -> jax.Array:
+        """Logits that MTP drafts are chosen from: [..., D] -> [..., V], float32.
+
+        With a draft vocabulary only its V' columns of the head are computed and every other token gets -inf: the
+        draft distribution q is zero outside V', which keeps speculative sampling exact (a draft is accepted with
+        min(1, p/q), and the residual max(p - q, 0) gives the target's mass outside V' back) and leaves greedy
+        output unchanged (verification decides every committed token). Without one, this is the full head.
+        """
+        if not self.cfg.draft_vocab_size:
+            return self.logits(hidden)
+        full = jnp.full((*hidden.shape[:-1], self.cfg.vocab_size), -jnp.inf, jnp.float32)
+        return full.at[..., self.draft_vocab[...]].set(self.draft_vocab_logits(hidden))
+
+    def _check_mtp_depth(self, depth: int):
+        if not 0 <= depth < self.cfg.num_mtp_layers:
+            raise ValueError(
+                f"MTP depth {depth} does not exist: config.json sets num_nextn_predict_layers="
+                f"{self.cfg.num_mtp_layers} (an absent key reads as 0)."
+            )
+
+
+def _decoder_layer(cfg: LlamaConfig, p, x, positions, k_cache, v_cache, index, inv_freq, first: int = 0,
+                   window: int | None = None):
     """One pre-norm block. p: this layer's params; k_cache/v_cache: [L, B, S, K, Dh] for all layers. Attention sees
-    only the last `window` positions when the layer slides (Qwen2's use_sliding_window)."""
+    cache entries from position `first` on (an MTP depth k has none below k+1), and only the last `window`
+    positions when the layer slides (Qwen2's use_sliding_window)."""
     h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q = jnp.einsum("btd,dhk->bthk", h, p["wq"])  # [B, T, H, Dh]
     k = jnp.einsum("btd,dhk->bthk", h, p["wk"])  # [B, T, K, Dh]
@@ -251,7 +360,9 @@ def _decoder_layer(cfg: LlamaConfig, p, x, positions, k_cache, v_cache, index, i
     rows = jnp.arange(x.shape[0])[:, None]
     k_cache = k_cache.at[index, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[index, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-    if window is not None:
+    if first:
+        attn = L.cached_attention_window(q, k_cache[index], v_cache[index], positions, cfg.head_dim**-0.5, first)
+    elif window is not None:
         attn = L.windowed_attention(q, k_cache[index], v_cache[index], positions, cfg.head_dim**-0.5, window)
     else:
         attn = L.cached_attention(q, k_cache[index], v_cache[index], positions, cfg.head_dim**-0.5)
