@@ -31,7 +31,8 @@ class CatalogEntry:
     `packages` are exact pip requirements; `part_paths` are `(import_name, path inside that package's folder)`,
     in concatenation order. Every import name must belong to one requirement (same name once `-` becomes `_`),
     so a missing package can be reported with the pip command that installs it. A single part is used in
-    place rather than copied.
+    place rather than copied. `mtp_asset` names trained MTP layers shipped in jaxspec/assets that loading the
+    entry attaches (`--strategy mtp` then works out of the box; plain decoding is unaffected).
     """
 
     name: str
@@ -41,6 +42,7 @@ class CatalogEntry:
     sha256: str
     gguf_filename: str
     licence: str
+    mtp_asset: str | None = None
 
     @property
     def single_file(self) -> bool:

@@ -257,7 +257,7 @@ def load_cached(name: str, dtype: Any, progress: bool = False, *, mesh=None, sha
     folder = cached_folder(name, dtype)
     source = catalog_source(name)
     if bool(distributed.broadcast(np.asarray(_is_current(folder, source)))):
-        return restore(folder, mesh=mesh, sharding_rules=sharding_rules)
+        return _with_mtp_asset(name, restore(folder, mesh=mesh, sharding_rules=sharding_rules))
     model = loading.convert(name, dtype, progress, mesh=mesh, sharding_rules=sharding_rules)
     if progress:
         print(f"caching the conversion in {folder}", flush=True)
@@ -266,7 +266,18 @@ def load_cached(name: str, dtype: Any, progress: bool = False, *, mesh=None, sha
     except OSError as error:  # the cache only saves time: a full or read-only disk must not fail the load
         if not _is_current(folder, source):  # else another process cached the same conversion first
             warnings.warn(f"could not cache the conversion of {name} in {folder}: {error}", stacklevel=3)
-    return model
+    return _with_mtp_asset(name, model)
+
+
+def _with_mtp_asset(name: str, model: Model) -> Model:
+    """The entry's shipped MTP layers attached, when it has some (jaxspec/assets); the cache holds the target alone,
+    so a retrained set needs no reconversion."""
+    asset = catalog.get_entry(name).mtp_asset
+    if asset is None:
+        return model
+    from .assets import asset_folder, attach_mtp_asset
+
+    return attach_mtp_asset(model, asset_folder(asset))
 
 
 def _is_current(folder: str, source: str) -> bool:

@@ -1,0 +1,103 @@
+"""The optimizer and the jit-compiled train step: only MTP parameters train; the target stays frozen.
+
+A module splits into (graphdef, trainable, frozen): trainable are the `nnx.Param`s whose top-level attribute starts
+with "mtp" (`mtp_layers` in Llama models, the stacked `mtp_*` arrays of DeepSeek-V3 / GLM-4.5), frozen is everything
+else (the target, the draft vocabulary). The step takes the frozen state as an argument that is never donated, and
+donates the trainable params and the optimizer state, which it replaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from .losses import distillation_loss
+
+
+def is_trainable(path, value) -> bool:
+    """nnx filter: the MTP layers' parameters."""
+    return isinstance(value, nnx.Param) and str(path[0]).startswith("mtp")
+
+
+def split_trainable(module: nnx.Module):
+    """-> (graphdef, trainable state, frozen state)."""
+    graphdef, trainable, frozen = nnx.split(module, is_trainable, ...)
+    if not jax.tree.leaves(trainable):
+        raise ValueError(f"{type(module).__name__} has no MTP layers to train; attach some first "
+                         "(jaxspec.train.attach_mtp_layers).")
+    return graphdef, trainable, frozen
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = 1e-3
+    warmup_steps: int = 50
+    total_steps: int = 1000
+    final_lr_ratio: float = 0.05  # the cosine decay ends at learning_rate * final_lr_ratio
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """AdamW under linear warmup then cosine decay, with global-norm clipping. Weight decay applies to matrices
+    only: norms (and DeepSeek's router bias, which gets no gradient) keep their values."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+        decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1), end_value=cfg.learning_rate * cfg.final_lr_ratio,
+    )
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask),
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def make_train_step(graphdef, optim: OptimConfig, depths: int, draft_vocab: bool):
+    """`step(trainable, opt_state, frozen, tokens, lengths, hidden, lse) -> (trainable, opt_state, metrics)`,
+    jitted; one per setting, so a resumed run in the same process reuses the compiled step."""
+    optimizer = make_optimizer(optim)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(trainable, opt_state, frozen, tokens, lengths, hidden, lse):
+        def loss_fn(trainable):
+            module = nnx.merge(graphdef, trainable, frozen)
+            return distillation_loss(module, tokens, lengths, hidden, lse, depths, draft_vocab)
+
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        return optax.apply_updates(trainable, updates), opt_state, metrics
+
+    return step
+
+
+@functools.lru_cache(maxsize=8)
+def make_eval_loss(graphdef, depths: int, draft_vocab: bool):
+    """`loss(trainable, frozen, tokens, lengths, hidden, lse) -> metrics`, jitted (no update)."""
+
+    @jax.jit
+    def evaluate(trainable, frozen, tokens, lengths, hidden, lse):
+        module = nnx.merge(graphdef, trainable, frozen)
+        return distillation_loss(module, tokens, lengths, hidden, lse, depths, draft_vocab)[1]
+
+    return evaluate
+
+
+@functools.lru_cache(maxsize=8)
+def make_draft_tokens(graphdef, depths: int):
+    """`drafts(trainable, frozen, tokens, hidden) -> [B, depths, T]` greedy drafts with the head decoding uses,
+    jitted."""
+    from .losses import draft_tokens
+
+    @jax.jit
+    def drafts(trainable, frozen, tokens, hidden):
+        module = nnx.merge(graphdef, trainable, frozen)
+        return draft_tokens(module, tokens, hidden.astype(jnp.float32), depths)
+
+    return drafts
