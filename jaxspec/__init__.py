@@ -3,5 +3,6 @@
 from .generate import GenerateOutput, generate
 from .api import load
 from .loading import Model
+from .text import generate_text
 
-__all__ = ["GenerateOutput", "Model", "generate", "load"]
+__all__ = ["GenerateOutput", "Model", "generate", "generate_text", "load"]

@@ -219,3 +219,24 @@ def test_bad_stream_arguments(models, kwargs, message):
 def test_a_streamer_with_a_batch_points_to_on_tokens(models):
     with pytest.raises(ValueError, match="on_tokens"):
         jaxspec.generate(models[0], ROWS, max_new_tokens=4, streamer=TextStreamer(models[0].tokenizer))
+
+
+# -- text in, text out -------------------------------------------------------------------------------------------
+
+
+def test_generate_text_applies_the_chat_template_and_decodes(models):
+    target, draft = models
+    tokenizer = target.tokenizer
+    tokenizer.chat_template = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}w3"
+    messages = [{"role": "user", "content": "w5 w6 w7"}]
+    text, out = jaxspec.generate_text(target, messages, max_new_tokens=8, eos_token_id=[], return_output=True,
+                                      assistant_model=draft, num_assistant_tokens=2)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    plain = jaxspec.generate(target, [ids], max_new_tokens=8, eos_token_id=[])
+    assert text == tokenizer.decode(plain.sequences[0, len(ids):].tolist(), skip_special_tokens=True)
+    assert out.drafted.sum() > 0
+    batch, out = jaxspec.generate_text(target, ["w5 w6", "w9 w10 w11 w12"], max_new_tokens=5, eos_token_id=[],
+                                       skip_special_tokens=False, return_output=True)
+    assert [len(t.split()) for t in batch] == out.num_new_tokens.tolist() == [5, 5]
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        jaxspec.generate_text(draft, "w5", max_new_tokens=2)
