@@ -60,6 +60,9 @@ class GenerateOutput:
     prefill_seconds: float = float("nan")
     strategy: str = "greedy"
     drafter_summary: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # [B, N, V] float32 with return_logits=True: the processed target logits each new token was chosen from (what
+    # plain decoding would have used at that position), -inf rows past a row's end; else None.
+    logits: np.ndarray | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -110,6 +113,7 @@ class LoopSpec:
     prefill_chunk: int
     mesh: Mesh | None
     rules: ShardingRules
+    return_logits: bool = False
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
@@ -161,6 +165,7 @@ def generate(
     streamer: Any = None,
     on_tokens: Callable[[list[np.ndarray]], None] | None = None,
     rounds_per_dispatch: int | None = None,
+    return_logits: bool = False,
 ) -> GenerateOutput:
     """Generate up to `max_new_tokens` per row, plainly or with one assisted strategy, in one compiled loop.
 
@@ -179,6 +184,9 @@ def generate(
     for any batch. `stop_strings` end a row at the token that completes one (decoded with `tokenizer`, default the
     model's); `max_time` (seconds) ends the call after the round in progress. These run the same compiled loop
     `rounds_per_dispatch` rounds at a time (default STREAM_ROUNDS) and check between dispatches.
+
+    `return_logits=True` also returns, for every new token, the processed target logits it was chosen from
+    (`GenerateOutput.logits`, [B, N, V]); it compiles its own loop, which keeps them.
     """
     resolved = settings_lib.resolve(
         model, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -199,8 +207,8 @@ def generate(
                                 tokenizer=tokenizer if tokenizer is not None else model.tokenizer)
     output = run_drafter(model, input_ids, attention_mask, choice.drafter, choice.assistant, resolved, mesh=mesh,
                          sharding_rules=sharding_rules, ensemble_weight=assistant_ensemble_weight,
-                         strategy_name=choice.name, control=control)
-    if choice.name == "speculative" and choice.drafter.schedule.kind == "heuristic":
+                         strategy_name=choice.name, control=control, return_logits=return_logits)
+    if choice.name in ("speculative", "universal") and choice.drafter.schedule.kind == "heuristic":
         # As HF: the "heuristic" schedule's adapted length carries over to the assistant's next call.
         final = output.drafter_summary["num_assistant_tokens"]
         assistant_model.generation_config["num_assistant_tokens"] = int(round(float(final.mean())))
@@ -221,6 +229,7 @@ def run_drafter(
     strategy_name: str = "custom",
     prefill_chunk: int | None = None,
     control: HostControl | None = None,
+    return_logits: bool = False,
 ) -> GenerateOutput:
     """The loop with a ready-made drafter (for research drafters that `generate`'s arguments do not name)."""
     control = control or HostControl()
@@ -233,6 +242,7 @@ def run_drafter(
     batch = len(prompts)
     prompt_lengths = np.array([len(p) for p in prompts], np.int32)
     size = buffer_size(int(prompt_lengths.max()) + settings.max_new_tokens + drafter.max_draft + 1, chunk)
+    drafter = drafter.for_prompts(prompts, size)
     tokens = np.zeros((batch, size), np.int32)
     for row, prompt in enumerate(prompts):
         tokens[row, : len(prompt)] = prompt
@@ -244,7 +254,7 @@ def run_drafter(
         if assistant_state is not None:
             assistant_state = shard_state(assistant_state, mesh, rules)
     spec = LoopSpec(target_graphdef, assistant_graphdef, drafter, settings.do_sample, settings.ngram_slots,
-                    ensemble_weight, chunk, mesh, rules)
+                    ensemble_weight, chunk, mesh, rules, bool(return_logits))
     # Run-time inputs: new values reuse the executables.
     inputs = jax.tree.map(jnp.asarray, (settings.processing(model.config.vocab_size), drafter.runtime_inputs()))
     prefill_args = (
@@ -255,6 +265,8 @@ def run_drafter(
         jnp.asarray(settings.max_new_tokens, jnp.int32),
         jax.random.key(settings.seed),
         inputs,
+        # The score buffer's length is a shape: only with return_logits does the budget key the compile cache.
+        np.zeros(1 << (settings.max_new_tokens - 1).bit_length() if return_logits else 0, np.int8),
     )
     start = time.perf_counter()
     prefill = _compile(spec, "prefill", prefill_args)
@@ -283,7 +295,8 @@ def run_drafter(
             state = rounds(target_state, assistant_state, state, inputs, per_dispatch)
         control.finish()
     decode_seconds = time.perf_counter() - start
-    final = distributed.fetch((state.tokens, state.lengths, state.counters, drafter.summary(state.drafter)))
+    final = distributed.fetch((state.tokens, state.lengths, state.counters, drafter.summary(state.drafter),
+                               state.scores))
     output = _unpack(final, input_ids, prompts, prompt_lengths, settings.pad_id, compile_seconds, decode_seconds,
                      prefill_seconds, strategy_name)
     return control.crop(output, input_ids, prompts, settings.pad_id)
@@ -496,7 +509,7 @@ def _check_budget(model: Model, prompts: list[np.ndarray], max_new_tokens: int) 
 
 def _unpack(final, input_ids, prompts, prompt_lengths, pad_id, compile_seconds, decode_seconds, prefill_seconds,
             strategy):
-    tokens, lengths, counters, drafter_summary = final
+    tokens, lengths, counters, drafter_summary, scores = final
     new_counts = lengths - prompt_lengths
     width = int(new_counts.max())
     given = _given_layout(input_ids, prompts, pad_id)
@@ -518,6 +531,7 @@ def _unpack(final, input_ids, prompts, prompt_lengths, pad_id, compile_seconds, 
         prefill_seconds=prefill_seconds,
         strategy=strategy,
         drafter_summary={k: np.asarray(v) for k, v in drafter_summary.items()},
+        logits=None if scores is None else np.asarray(scores)[:, :width],
     )
 
 
@@ -551,7 +565,7 @@ def _context(spec: LoopSpec, target_state, assistant_state, inputs) -> Context:
 
 
 def _prefill(spec: LoopSpec, target_state, assistant_state, tokens, prompt_lengths, max_new_tokens, rng,
-             inputs) -> DecodeState:
+             inputs, score_slots) -> DecodeState:
     """Read every prompt in chunks of `spec.prefill_chunk` positions, pick each row's first token, build the state."""
     global _trace_count
     _trace_count += 1
@@ -586,6 +600,10 @@ def _prefill(spec: LoopSpec, target_state, assistant_state, tokens, prompt_lengt
     rng, first_rng = jax.random.split(rng)
     first = select(first_rng, processed[:, 0], spec.do_sample)  # [B]
     tokens = tokens.at[rows, prompt_lengths].set(first)
+    scores = None
+    if spec.return_logits:
+        scores = jnp.full((batch, score_slots.shape[0], processed.shape[-1]), -jnp.inf, jnp.float32)
+        scores = scores.at[:, 0].set(processed[:, 0])
     done = ctx.is_eos(first) | (max_new_tokens <= 1)
     return DecodeState(
         tokens=tokens,
@@ -597,6 +615,7 @@ def _prefill(spec: LoopSpec, target_state, assistant_state, tokens, prompt_lengt
         drafter=drafter_state,
         rng=rng,
         counters=Counters.zeros(batch, drafter.max_draft),
+        scores=scores,
     )
 
 
@@ -630,7 +649,8 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
     rng, draft_rng, verify_rng = jax.random.split(state.rng, 3)
     draft, drafter_state, draft_forwards, cache = drafter.draft(ctx, state, state.drafter, draft_rng)
     count = jnp.where(state.done, 0, jnp.minimum(draft.count, k))  # [B]
-    n, verified, hidden, cache = _verify_round(spec, ctx, state, draft, count, cache, drafter_state, verify_rng)
+    n, verified, hidden, cache, processed = _verify_round(spec, ctx, state, draft, count, cache, drafter_state,
+                                                          verify_rng)
 
     rows = jnp.arange(count.shape[0])
     committed, hit_eos = _commit_counts(ctx, verified, n, state.lengths, state.budget_end)
@@ -640,6 +660,11 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
     tokens = state.tokens.at[rows[:, None], write_positions].set(verified, mode="drop")
     lengths = state.lengths + committed
     done = state.done | (hit_eos & (committed > 0)) | (lengths >= state.budget_end)
+    scores = state.scores
+    if scores is not None:  # each committed token's processed logits, at its index among the row's new tokens
+        slots = jnp.where(index < committed[:, None], state.lengths[:, None] - state.prompt_lengths[:, None] + index,
+                          scores.shape[1])
+        scores = scores.at[rows[:, None], slots].set(processed, mode="drop")
 
     result = RoundResult(drafted=count, accepted=n, committed=committed, tokens=verified, hidden=hidden, lengths=lengths)
     drafter_state = drafter.update(ctx, drafter_state, result)
@@ -653,13 +678,14 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
         accepted_hist=c.accepted_hist + (active[:, None] & (jnp.arange(k + 1)[None, :] == n[:, None])),
     )
     return dataclasses.replace(
-        state, tokens=tokens, lengths=lengths, done=done, cache=cache, drafter=drafter_state, rng=rng, counters=counters
+        state, tokens=tokens, lengths=lengths, done=done, cache=cache, drafter=drafter_state, rng=rng, counters=counters,
+        scores=scores,
     )
 
 
 def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, draft, count, cache, drafter_state, rng):
     """The target scores `[last, d_1 .. d_W-1]` and verify decides: -> (n [B], tokens [B, K+1], hidden
-    [B, K+1, D], cache).
+    [B, K+1, D], cache, processed logits [B, K+1, V] with return_logits, else None).
 
     The block width W is chosen at run time among `spec.verify_widths`, so a round with few drafts does not pay
     for K. A round without drafts is a plain step at width 1. Any wider block is padded to K+1 positions and
@@ -682,7 +708,8 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, draft, count
         processed = ctx.process(logits[:, :1], state.tokens, state.lengths, state.prompt_lengths)
         token = select(rng, processed[:, 0], spec.do_sample)
         verified = jnp.zeros((batch, k + 1), jnp.int32).at[:, 0].set(token)
-        return jnp.zeros((batch,), jnp.int32), verified, hidden, cache
+        kept = jnp.pad(processed, ((0, 0), (0, k), (0, 0))) if spec.return_logits else None
+        return jnp.zeros((batch,), jnp.int32), verified, hidden, cache, kept
 
     if k == 0:
         return plain_step((cache, drafter_state))
@@ -698,7 +725,7 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, draft, count
         with_drafts = state.tokens.at[rows[:, None], positions].set(draft.tokens, mode="drop")
         processed = ctx.process(logits, with_drafts, state.lengths, state.prompt_lengths)
         n, verified = verify(rng, processed, draft.tokens, count, draft.probs, spec.do_sample, spec.ensemble_weight)
-        return n, verified, hidden, cache
+        return n, verified, hidden, cache, processed if spec.return_logits else None
 
     return jax.lax.cond(jnp.max(count) > 0, drafted_step, plain_step, (cache, drafter_state))
 

@@ -240,3 +240,21 @@ def test_generate_text_applies_the_chat_template_and_decodes(models):
     assert [len(t.split()) for t in batch] == out.num_new_tokens.tolist() == [5, 5]
     with pytest.raises(ValueError, match="needs a tokenizer"):
         jaxspec.generate_text(draft, "w5", max_new_tokens=2)
+
+
+def test_return_logits_are_the_processed_scores_transformers_reports(models, hf_target):
+    """Plain decoding's processed logits equal transformers' `scores`; every strategy returns the same logits for the
+    same tokens (the verify block computes them at another width: equal to float tolerance)."""
+    target, draft = models
+    kwargs = dict(max_new_tokens=10, eos_token_id=[], repetition_penalty=1.3, return_logits=True)
+    plain = jaxspec.generate(target, ROWS[:1], **kwargs)
+    ids = torch.tensor(ROWS[:1])
+    hf_out = hf_target.generate(ids, max_new_tokens=10, do_sample=False, repetition_penalty=1.3, eos_token_id=None,
+                                pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    expected = torch.stack(hf_out.scores, 1).numpy()  # [1, N, V]
+    assert plain.logits.shape == expected.shape
+    np.testing.assert_allclose(plain.logits, expected, rtol=1e-4, atol=1e-4)
+    for strategy in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=draft, num_assistant_tokens=3)):
+        out = jaxspec.generate(target, ROWS[:1], **kwargs, **strategy)
+        np.testing.assert_array_equal(out.sequences, plain.sequences)
+        np.testing.assert_allclose(out.logits, plain.logits, rtol=1e-4, atol=1e-4)

@@ -72,6 +72,7 @@ class DecodeState:
     drafter: Any  # the drafter's own state pytree
     rng: jax.Array
     counters: Counters
+    scores: jax.Array | None = None  # [B, N, V] processed target logits of each new token (return_logits only)
 
     @property
     def last_token(self) -> jax.Array:  # [B]
@@ -191,6 +192,11 @@ class Drafter:
         """Settings that enter the loop as arrays, so new values reuse the executable. A drafter reads them from
         `ctx.draft_inputs`, never from its own fields (which are excluded from the compile key: `compare=False`)."""
         return {}
+
+    def for_prompts(self, prompts: list[np.ndarray], size: int) -> "Drafter":
+        """The drafter for one call, on the host before anything compiles: it may read the prompts (each row's
+        ids) and the token buffer size. Universal decoding re-encodes the prompts for its assistant here."""
+        return self
 
     def init(self, ctx: Context, batch: int, size: int) -> Any:
         return ()
