@@ -4,6 +4,7 @@
     python scripts/generate.py --model qwen2.5-coder-1.5b --strategy speculative --assistant qwen2.5-coder-0.5b
     python scripts/generate.py --model PATH --strategy prompt_lookup --prompt-lookup-num-tokens 10 --json
     python scripts/generate.py --model DEEPSEEK_OR_GLM_FOLDER --strategy mtp
+    python scripts/generate.py --model GEMMA4_FOLDER --strategy mtp --assistant GEMMA4_ASSISTANT_FOLDER
     python scripts/generate.py --model DEEPSEEK_FOLDER --strategy mtp --distributed --mesh data=1,model=8,expert=4
 
 With --distributed (on every host of a TPU slice: the coordinator, process count and id are detected as
@@ -45,8 +46,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print ids, text and counters as one JSON object")
+    p.add_argument("--no-stream", action="store_true", help="print the text at the end instead of as it is made")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--dtype", default=None, help="parameter dtype (default: float32 on CPU, bfloat16 elsewhere)")
-    p.add_argument("--assistant", default=None, help="assistant model for --strategy speculative")
+    p.add_argument("--assistant", default=None, help="assistant model for --strategy speculative, or a Gemma 4 MTP "
+                                                     "drafter for --strategy mtp (without it, mtp uses the "
+                                                     "checkpoint's own MTP layers)")
     p.add_argument("--num-assistant-tokens", type=int, default=None)
     p.add_argument("--num-assistant-tokens-schedule", default=None,
                    choices=("adaptive", "constant", "heuristic", "heuristic_transient"),
@@ -70,8 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--strategy speculative needs --assistant PATH")
     if args.strategy == "early_exit" and args.exit_layer is None:
         p.error("--strategy early_exit needs --exit-layer E")
-    if args.assistant is not None and args.strategy != "speculative":
-        p.error("--assistant is only used with --strategy speculative")
+    if args.assistant is not None and args.strategy not in ("speculative", "mtp"):
+        p.error("--assistant is only used with --strategy speculative, or mtp with a Gemma 4 MTP drafter")
     return args
 
 
@@ -95,8 +100,8 @@ def strategy_kwargs(args) -> dict:
     if args.strategy == "prompt_lookup":
         return draft_length | dict(prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                                    max_matching_ngram_size=args.max_matching_ngram_size)
-    if args.strategy == "mtp":
-        return draft_length | dict(use_mtp=True)
+    if args.strategy == "mtp":  # with --assistant, the drafter is the assistant_model (a Gemma 4 MTP drafter)
+        return draft_length | ({} if args.assistant else dict(use_mtp=True))
     if args.strategy == "early_exit":
         return draft_length | dict(assistant_early_exit=args.exit_layer)
     return draft_length
@@ -107,6 +112,16 @@ def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
         return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False))
     return tokenizer(prompt)["input_ids"]
+
+
+class SilentStreamer:
+    """The streamer of processes that do not print."""
+
+    def put(self, value) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
 
 
 def plain_is_sampling(model, common) -> bool:
@@ -140,6 +155,10 @@ def main(argv=None) -> int:
     model = jaxspec.load(args.model, dtype=args.dtype, progress=not args.json and jax.process_index() == 0, mesh=mesh)
     assistant = jaxspec.load(args.assistant, dtype=args.dtype, mesh=mesh) if args.assistant else None
     load_seconds = time.perf_counter() - start
+    if args.strategy == "mtp" and assistant is not None and assistant.hf_config.get("model_type") != "gemma4_assistant":
+        print(f"--strategy mtp --assistant needs a Gemma 4 MTP drafter (gemma4_assistant); {args.assistant} is "
+              f"{assistant.hf_config.get('model_type')!r} (use --strategy speculative for it).", file=sys.stderr)
+        return 2
     if model.tokenizer is None:
         print(f"{args.model} has no tokenizer; jaxspec needs one to read --prompt.", file=sys.stderr)
         return 2
@@ -148,12 +167,21 @@ def main(argv=None) -> int:
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                   repetition_penalty=args.repetition_penalty, no_repeat_ngram_size=args.no_repeat_ngram_size,
                   min_new_tokens=args.min_new_tokens, seed=args.seed, mesh=mesh)
-    out = jaxspec.generate(model, [ids], assistant_model=assistant, **common, **strategy_kwargs(args))
+    streaming = not (args.json or args.no_stream)
+    streamer = None
+    if streaming:
+        from transformers import TextStreamer
+
+        # Every process must dispatch the loop the same way (each dispatch is a collective); only process 0 prints.
+        streamer = TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True) \
+            if jax.process_index() == 0 else SilentStreamer()
+    out = jaxspec.generate(model, [ids], assistant_model=assistant, streamer=streamer, stop_strings=args.stop,
+                           **common, **strategy_kwargs(args))
     new_ids = out.sequences[0, len(ids): len(ids) + int(out.num_new_tokens[0])].tolist()
     text = model.tokenizer.decode(new_ids, skip_special_tokens=True)
     report = out.counters() | {"load_seconds": load_seconds}
     if args.compare_plain and args.strategy not in ("greedy", "sample"):
-        plain = jaxspec.generate(model, [ids], **common)
+        plain = jaxspec.generate(model, [ids], stop_strings=args.stop, **common)
         report["plain_tokens_per_second"] = plain.tokens_per_second
         report["speedup_over_plain"] = out.tokens_per_second / plain.tokens_per_second
         # Greedy output must be identical; sampled outputs come from other random streams and may differ.
@@ -164,7 +192,8 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "prompt_ids": ids, "new_ids": new_ids, "text": text} | report))
         return 0
-    print(text)
+    if not streaming:
+        print(text)
     print()
     print(f"[{out.strategy}] {int(out.num_new_tokens[0])} tokens in {out.decode_seconds:.2f}s = "
           f"{out.tokens_per_second:.1f} tok/s (prefill {out.prefill_seconds:.2f}s of it; load {load_seconds:.1f}s, "
