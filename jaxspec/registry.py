@@ -37,6 +37,9 @@ FAMILIES: dict[str, Family] = {
     "gemma2": _GEMMA,
     "gemma3_text": _GEMMA,
     "gemma4_text": _GEMMA,
+    # The Gemma 4 MTP drafter: it runs only as the assistant_model of a Gemma 4 target (strategies/gemma4_drafter.py).
+    "gemma4_assistant": Family("jaxspec.models.gemma4_assistant", "Gemma4AssistantConfig", "Gemma4AssistantForCausalLM",
+                               "jaxspec.convert.gemma4_assistant"),
 }
 
 

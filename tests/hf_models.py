@@ -96,3 +96,56 @@ def build_tiny_gemma(family: str, seed: int = 0, **overrides):
 def save_tiny_gemma(family: str, folder, seed: int = 0, **overrides) -> str:
     build_tiny_gemma(family, seed, **overrides).save_pretrained(folder)
     return os.fspath(folder)
+
+
+# -- Gemma 4 MTP drafter (HF Gemma4AssistantForCausalLM) -----------------------------------------------------------
+
+def patch_gemma4_assistant() -> None:
+    """transformers 5.23 cannot instantiate Gemma4AssistantForCausalLM: `Gemma4TextConfig.kv_sharing_modes` raises
+    when every layer is KV-shared, which the assistant config forces. Every layer of it reuses the target's keys and
+    values, so answer "reuse" for each (transformers-assisted-decoding.md §6.4); other configs are unchanged."""
+    config_cls = transformers.Gemma4TextConfig
+    if getattr(config_cls, "_jaxspec_patched", False):
+        return
+    original = config_cls.kv_sharing_modes.fget
+
+    def modes(self):
+        if self.num_kv_shared_layers and self.num_kv_shared_layers == self.num_hidden_layers:
+            return ["reuse"] * self.num_hidden_layers
+        return original(self)
+
+    config_cls.kv_sharing_modes = property(modes)
+    config_cls._jaxspec_patched = True
+
+
+def build_tiny_gemma4_assistant(seed: int = 0, target_overrides: dict | None = None, **overrides):
+    """A drafter for `build_tiny_gemma("gemma4_text", **target_overrides)`: the target's head widths, kv heads,
+    window and vocabulary (which the drafter must share), its own width and depth; random norms and layer scalars."""
+    patch_gemma4_assistant()
+    target = BASE | GEMMA["gemma4_text"] | (target_overrides or {})
+    shared = {key: target[key] for key in ("vocab_size", "head_dim", "global_head_dim", "num_key_value_heads",
+                                            "sliding_window", "max_position_embeddings", "bos_token_id",
+                                            "eos_token_id", "pad_token_id")}
+    text = shared | dict(hidden_size=24, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, initializer_range=INIT_RANGE,
+                         layer_types=["sliding_attention", "full_attention"])
+    outer = {key: overrides.pop(key) for key in ("use_ordered_embeddings", "num_centroids",
+                                                 "centroid_intermediate_top_k") if key in overrides}
+    torch.manual_seed(seed)
+    config = transformers.Gemma4AssistantConfig(text_config=transformers.Gemma4TextConfig(**(text | overrides)),
+                                                backbone_hidden_size=target["hidden_size"], **outer)
+    model = transformers.Gemma4AssistantForCausalLM(config).eval()
+    _perturb_norms(model, seed)
+    gen = torch.Generator().manual_seed(seed + 3000)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.copy_(0.5 + torch.rand(buffer.shape, generator=gen))
+            elif name.endswith("token_ordering"):  # HF initialises it to zeros; a real one is a permutation
+                buffer.copy_(torch.randperm(buffer.numel(), generator=gen))
+    return model
+
+
+def load_gemma4_assistant(folder):
+    patch_gemma4_assistant()
+    return transformers.Gemma4AssistantForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
