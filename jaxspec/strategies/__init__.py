@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from .base import SCHEDULES, Drafter, Schedule
+from .gemma4_drafter import is_gemma4_drafter
 
 # HF's defaults for the assistant's settings, except the schedule (see the module docstring).
 DEFAULTS = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "adaptive",
@@ -32,6 +33,9 @@ USES = {
                    "assistant_confidence_threshold", "max_assistant_tokens", "assistant_ensemble_weight"},
     "prompt_lookup": {"prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens_schedule"},
     "mtp": {"use_mtp", "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_ensemble_weight"},
+    # assistant_model= a Gemma 4 MTP drafter (gemma4_assistant), which drafts from the target's KV cache
+    "mtp_drafter": {"assistant_model", "num_assistant_tokens", "num_assistant_tokens_schedule",
+                    "assistant_confidence_threshold", "max_assistant_tokens", "assistant_ensemble_weight"},
 }
 
 
@@ -57,6 +61,8 @@ def choose_strategy(model, *, do_sample: bool, prefill_chunk: int | None = None,
         raise ValueError(f"Choose one assisted-decoding strategy; got {triggers}.")
     name = {"assistant_model": "speculative", "prompt_lookup_num_tokens": "prompt_lookup",
             "assistant_early_exit": "early_exit", "use_mtp": "mtp"}.get(triggers[0] if triggers else "", "greedy")
+    if name == "speculative" and is_gemma4_drafter(arguments["assistant_model"]):
+        name = "mtp_drafter"
     if given & {"tokenizer", "assistant_tokenizer"}:
         if name != "speculative":
             raise ValueError("tokenizer= and assistant_tokenizer= are for an assistant_model with another tokenizer.")
@@ -78,6 +84,14 @@ def choose_strategy(model, *, do_sample: bool, prefill_chunk: int | None = None,
         return _prompt_lookup(arguments)
     if name == "mtp":
         return _mtp(model, arguments, keep_probs)
+    if name == "mtp_drafter":
+        from .gemma4_drafter import DRAFT_DEFAULTS, Gemma4Drafter, check_pair
+
+        check_pair(model, arguments["assistant_model"])
+        max_draft, schedule, threshold = _draft_length(arguments["assistant_model"], arguments, DRAFT_DEFAULTS)
+        return StrategyChoice("mtp_drafter", Gemma4Drafter(max_draft=max_draft, schedule=schedule,
+                                                           confidence_threshold=threshold, keep_probs=keep_probs),
+                              arguments["assistant_model"])
     source = arguments["assistant_model"] if name == "speculative" else model
     if name == "speculative":
         _check_assistant(model, source)
@@ -129,14 +143,14 @@ def _mtp(model, arguments, keep_probs: bool) -> StrategyChoice:
                                             schedule=Schedule(kind, initial=int(drafts))))
 
 
-def _draft_length(source_model, arguments) -> tuple[int, Schedule, float]:
+def _draft_length(source_model, arguments, defaults=DEFAULTS) -> tuple[int, Schedule, float]:
     """(K, schedule, confidence threshold) of an assistant or early-exit drafter."""
     config = getattr(source_model, "generation_config", {}) or {}
 
     def pick(name):
         if arguments.get(name) is not None:
             return arguments[name]
-        return config[name] if config.get(name) is not None else DEFAULTS[name]
+        return config[name] if config.get(name) is not None else defaults[name]
 
     num_tokens, kind, threshold = (pick(name) for name in DEFAULTS)
     _check_positive_int("num_assistant_tokens", num_tokens)
