@@ -5,7 +5,7 @@
         [--max-new-tokens 64] [--repeats 3] [--threads T] [--out bench_out/] [--skip-hf]
         [--prompts code_completion,code_editing,chat,summary]
         [--num-assistant-tokens K] [--confidence-threshold C] [--schedule constant]
-        [--prompt-lookup-num-tokens 10] [--early-exit E] [--copy-mb 512]
+        [--prompt-lookup-num-tokens 10] [--early-exit E] [--bandwidth-mb 1024]
 
 Models: any catalogue name (`jaxspec.catalog`; transformers loads the same GGUF file, dequantized to float32), or
 `random-500m` / `random-tiny`: random Llama configs built by transformers with a fixed seed, saved with
@@ -15,11 +15,19 @@ ceiling of speculative decoding). Batch 1 and float32 everywhere; greedy decodin
 plain greedy tokens.
 
 Timing: each (library, model, strategy) runs the prompt set once untimed (jaxspec compiles there, reported in its
-own column), then `--repeats` timed passes; tokens/s is new tokens over the summed per-call seconds of a pass,
-median over passes. jaxspec's seconds are `GenerateOutput.decode_seconds` (prefill + decode loop, compile excluded);
-transformers' are the wall time of `generate`. Both libraries hold the model at once and the timed passes alternate
-between every (library, strategy), so a change of load on the machine is spread over all rows instead of landing on
-one library. Peak memory is therefore both libraries' float32 weights (random-500m with its assistant: about 7 GB).
+own column), then `--repeats` (at least 3) timed passes; tokens/s is new tokens over the summed per-call seconds of a
+pass, and the table shows the median over passes with the range (min-max) beside it. Both libraries are timed the
+same way: the wall time of the whole `generate` call, host work included (jaxspec's executables are compiled by then
+and come from its cache). Both libraries hold the model at once and the timed passes alternate between every
+(library, strategy), so a change of load on the machine is spread over all rows instead of landing on one library.
+Peak memory is therefore both libraries' float32 weights (random-500m with its assistant: about 7 GB).
+
+Roofline: decoding one token reads every weight once, so the best possible greedy rate is (read bandwidth) / (weight
+bytes). The read bandwidth is measured read-only, the way decoding reads: a jitted float32 matrix-vector product over
+a `--bandwidth-mb` matrix, best of several runs.
+
+Draft schedules: jaxspec runs its default ("adaptive") unless `--schedule` says otherwise; transformers has no adaptive
+schedule and runs "constant" then (its default).
 
 Threads: both libraries get the same CPU cores. The process is pinned to the first T cores of its affinity mask
 before jax or torch is imported: XLA's CPU client sizes its thread pool from that mask. The often-quoted
@@ -44,7 +52,6 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
@@ -117,7 +124,8 @@ class Plan:
     drafter: str | None  # "assistant", "target" (self / early exit) or None: whose generation_config HF reads
     jaxspec_kwargs: dict[str, Any]
     hf_kwargs: dict[str, Any]
-    draft_config: dict[str, Any] = dataclasses.field(default_factory=dict)  # jaxspec: arguments; HF: drafter config
+    draft_config: dict[str, Any] = dataclasses.field(default_factory=dict)  # jaxspec's generate() arguments
+    hf_draft_config: dict[str, Any] = dataclasses.field(default_factory=dict)  # set on HF's drafting model
 
 
 @dataclasses.dataclass
@@ -150,8 +158,16 @@ class Measurement:
         return sum(len(c.tokens) for c in self.passes[0])
 
     @property
+    def per_pass(self) -> list[float]:
+        return [self.new_tokens / sum(c.seconds for c in calls) for calls in self.passes]
+
+    @property
     def tokens_per_second(self) -> float:
-        return statistics.median(self.new_tokens / sum(c.seconds for c in calls) for calls in self.passes)
+        return statistics.median(self.per_pass)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        return min(self.per_pass), max(self.per_pass)
 
     @property
     def compile_seconds(self) -> float:
@@ -184,6 +200,8 @@ class Row:
     settings: str
     jaxspec_tokens_per_second: float
     hf_tokens_per_second: float
+    jaxspec_range: tuple[float, float]
+    hf_range: tuple[float, float]
     jaxspec_over_hf: float
     jaxspec_compile_seconds: float
     jaxspec_target_forwards: int
@@ -235,26 +253,25 @@ def pin_threads(threads: int | None) -> list[int]:
     return cores
 
 
-def measure_copy_bandwidth(threads: int, megabytes: int, trials: int = 5) -> float:
-    """GB/s of a large numpy copy split over `threads` threads, counting bytes read plus written (STREAM "copy").
+def measure_read_bandwidth(megabytes: int, trials: int = 7) -> float:
+    """GB/s at which XLA reads a float32 matrix in a matrix-vector product: what decoding does with every weight.
 
-    Decoding reads weights with as many threads as it computes with, so the copy uses the same number; numpy
-    releases the GIL while copying. Best of `trials`: the first pass also pays the page faults of `dst`.
+    Read-only (the vector and the result are tiny), on the same threads the decode loop uses. Best of `trials`.
     """
-    src = np.ones(megabytes * 2**20 // 8)
-    dst = np.empty_like(src)
-    bounds = np.linspace(0, src.size, threads + 1).astype(int)
+    import jax
+    import jax.numpy as jnp
 
-    def copy(i: int) -> None:
-        np.copyto(dst[bounds[i]: bounds[i + 1]], src[bounds[i]: bounds[i + 1]])
-
+    columns = 4096
+    matrix = jnp.ones((megabytes * 2**20 // 4 // columns, columns), jnp.float32)
+    vector = jnp.ones((columns,), jnp.float32)
+    matvec = jax.jit(lambda m, v: m @ v)
+    jax.block_until_ready(matvec(matrix, vector))
     best = math.inf
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(trials):
-            start = time.perf_counter()
-            list(pool.map(copy, range(threads)))
-            best = min(best, time.perf_counter() - start)
-    return 2 * src.nbytes / best / 1e9
+    for _ in range(trials):
+        start = time.perf_counter()
+        jax.block_until_ready(matvec(matrix, vector))
+        best = min(best, time.perf_counter() - start)
+    return matrix.nbytes / best / 1e9
 
 
 def weight_bytes_per_token(module) -> tuple[int, int]:
@@ -388,25 +405,28 @@ def plan_for(strategy: str, source: ModelSource, s: DraftSettings) -> Plan | str
     """The plan for `strategy`, or the reason it does not apply to this model."""
     draft = dict(num_assistant_tokens=s.num_assistant_tokens, num_assistant_tokens_schedule=s.schedule,
                  assistant_confidence_threshold=s.confidence_threshold)
+    hf_draft = draft | {"num_assistant_tokens_schedule": "constant" if s.schedule == "adaptive" else s.schedule}
     draft_text = f"K={s.num_assistant_tokens} {s.schedule} conf={s.confidence_threshold:g}"
     if strategy == "greedy":
         return Plan(strategy, "", None, {}, {})
     if strategy == "speculative":
         if source.assistant_path is None:
             return "no smaller checkpoint with the same tokenizer is installed"
-        return Plan(strategy, f"{os.path.basename(source.assistant_path)} {draft_text}", "assistant", {}, {}, draft)
+        return Plan(strategy, f"{os.path.basename(source.assistant_path)} {draft_text}", "assistant", {}, {}, draft,
+                    hf_draft)
     if strategy == "speculative-self":
-        return Plan(strategy, f"target drafts {draft_text}", "target", {}, {}, draft)
+        return Plan(strategy, f"target drafts {draft_text}", "target", {}, {}, draft, hf_draft)
     if strategy == "prompt_lookup":
         n = s.prompt_lookup_num_tokens
-        return Plan(strategy, f"num_tokens={n} ngram=2", None, {"prompt_lookup_num_tokens": n},
-                    {"prompt_lookup_num_tokens": n})
+        schedule = {"num_assistant_tokens_schedule": "adaptive" if s.schedule == "adaptive" else "constant"}
+        return Plan(strategy, f"num_tokens={n} ngram=2 {schedule['num_assistant_tokens_schedule']}", None,
+                    {"prompt_lookup_num_tokens": n} | schedule, {"prompt_lookup_num_tokens": n})
     if strategy == "early_exit":
         if not 1 <= s.early_exit < source.num_layers:
             return f"early exit {s.early_exit} is not inside 1..{source.num_layers - 1}"
         early_exit = {"assistant_early_exit": s.early_exit}
         return Plan(strategy, f"E={s.early_exit}/{source.num_layers} {draft_text}", "target", early_exit, early_exit,
-                    draft)
+                    draft, hf_draft)
     raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
 
 
@@ -444,10 +464,12 @@ def jaxspec_call(plan: Plan, target, assistant, eos: list[int], pad: int, max_ne
         kwargs["assistant_model"] = target
 
     def call(name: str, ids: np.ndarray) -> Call:
+        start = time.perf_counter()
         out = jaxspec.generate(target, ids[None], max_new_tokens=max_new_tokens, eos_token_id=eos,
                                pad_token_id=pad, **kwargs)
+        seconds = time.perf_counter() - start - out.compile_seconds  # the whole call; compile only on the first
         n = int(out.num_new_tokens[0])
-        return Call(name, out.sequences[0, len(ids): len(ids) + n].tolist(), out.decode_seconds,
+        return Call(name, out.sequences[0, len(ids): len(ids) + n].tolist(), seconds,
                     out.compile_seconds, out.target_forwards, out.rounds,
                     n - 1,  # the prefill commits the first token, the rounds the rest
                     int(out.drafted.sum()), int(out.accepted.sum()))
@@ -499,7 +521,7 @@ def hf_call(plan: Plan, target, assistant, tally: HFTally, eos: list[int], pad: 
         if drafting_model is not None:
             # HF reads draft length, schedule and threshold from the drafting model's generation_config (generate's
             # kwargs do not reach it), and a heuristic schedule writes back into it: set them before every call.
-            for key, value in plan.draft_config.items():
+            for key, value in plan.hf_draft_config.items():
                 setattr(drafting_model.generation_config, key, value)
         input_ids = torch.as_tensor(ids[None].astype(np.int64))
         tally.reset()
@@ -614,6 +636,8 @@ def build_rows(model: str, jx: dict[str, Measurement], hf: dict[str, Measurement
             model=model, strategy=strategy, settings=plans[strategy].settings,
             jaxspec_tokens_per_second=j.tokens_per_second,
             hf_tokens_per_second=h.tokens_per_second if h else math.nan,
+            jaxspec_range=j.spread,
+            hf_range=h.spread if h else (math.nan, math.nan),
             jaxspec_over_hf=ratio(j.tokens_per_second, h.tokens_per_second if h else None),
             jaxspec_compile_seconds=j.compile_seconds,
             jaxspec_target_forwards=j.total("target_forwards"),
@@ -653,6 +677,10 @@ def fmt(value: float | None, spec: str = ".2f") -> str:
     return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def spread(bounds: tuple[float, float]) -> str:
+    return "" if math.isnan(bounds[0]) else f"({bounds[0]:.2f}-{bounds[1]:.2f})"
+
+
 def times(value: float) -> str:
     return "–" if math.isnan(value) else f"{value:.2f}x"
 
@@ -668,7 +696,7 @@ def pair(a, b, spec: str = ".2f") -> str:
 def markdown(rows: list[Row], rooflines: list[Roofline], header: list[str], notes: list[str]) -> str:
     lines = header + [""]
     lines += [
-        "| model | strategy | settings | jaxspec tok/s | HF tok/s | jaxspec / HF | jaxspec compile s "
+        "| model | strategy | settings | jaxspec tok/s (range) | HF tok/s (range) | jaxspec / HF | jaxspec compile s "
         "| target fwd jx / HF | acceptance jx / HF | mean accepted len jx / HF | speedup vs greedy jx / HF "
         "| jx = HF greedy |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -676,8 +704,9 @@ def markdown(rows: list[Row], rooflines: list[Roofline], header: list[str], note
     for r in rows:
         equal = "–" if r.jaxspec_equal_hf_greedy is None else f"{r.jaxspec_equal_hf_greedy}/{r.prompts}"
         lines.append(
-            f"| {r.model} | {r.strategy} | {r.settings} | {fmt(r.jaxspec_tokens_per_second)} "
-            f"| {fmt(r.hf_tokens_per_second)} | {times(r.jaxspec_over_hf)} | {fmt(r.jaxspec_compile_seconds, '.1f')} "
+            f"| {r.model} | {r.strategy} | {r.settings} | {fmt(r.jaxspec_tokens_per_second)} {spread(r.jaxspec_range)} "
+            f"| {fmt(r.hf_tokens_per_second)} {spread(r.hf_range)} | {times(r.jaxspec_over_hf)} "
+            f"| {fmt(r.jaxspec_compile_seconds, '.1f')} "
             f"| {pair(r.jaxspec_target_forwards, r.hf_target_forwards, 'd')} "
             f"| {pair(r.jaxspec_acceptance_rate, r.hf_acceptance_rate)} "
             f"| {pair(r.jaxspec_mean_accepted_length, r.hf_mean_accepted_length)} "
@@ -694,9 +723,9 @@ def markdown(rows: list[Row], rooflines: list[Roofline], header: list[str], note
     if rooflines:
         lines += [
             "",
-            "Memory-bandwidth roofline of plain greedy (weights read once per token / measured copy bandwidth):",
+            "Memory-bandwidth roofline of plain greedy (measured read bandwidth / weights read per token):",
             "",
-            "| model | parameters | weights read / token | copy bandwidth | roofline tok/s | jaxspec greedy "
+            "| model | parameters | weights read / token | read bandwidth | roofline tok/s | jaxspec greedy "
             "| HF greedy |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
@@ -747,7 +776,7 @@ def environment(cores: list[int], bandwidth: float) -> dict[str, Any]:
         "pinned_cores": cores, "torch_threads": torch.get_num_threads(), "xla_flags": os.environ.get("XLA_FLAGS"),
         "jax": jax.__version__, "jax_backend": jax.default_backend(), "flax": flax.__version__,
         "transformers": transformers.__version__, "torch": torch.__version__, "dtype": "float32", "batch": 1,
-        "copy_bandwidth_gb_s": bandwidth,
+        "read_bandwidth_gb_s": bandwidth,
     }
 
 
@@ -788,21 +817,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=", ".join(STRATEGIES))
     parser.add_argument("--prompts", default=",".join(PROMPTS), help=", ".join(PROMPTS))
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="timed passes; the median is reported")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes (>= 3); median and range reported")
     parser.add_argument("--threads", type=int, default=None, help="CPU cores for both libraries (default: all)")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--skip-hf", action="store_true", help="jaxspec only")
     parser.add_argument("--num-assistant-tokens", type=int, default=4)
-    parser.add_argument("--schedule", default="constant", choices=("constant", "heuristic", "heuristic_transient"))
+    parser.add_argument("--schedule", default="adaptive",
+                        choices=("adaptive", "constant", "heuristic", "heuristic_transient"),
+                        help="jaxspec's draft schedule (transformers runs constant where this is adaptive)")
     parser.add_argument("--confidence-threshold", type=float, default=None,
                         help="assistant_confidence_threshold (default 0.4; 0 = off for random models)")
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
     parser.add_argument("--early-exit", type=int, default=None, help="draft layers (default: num_layers // 2)")
-    parser.add_argument("--copy-mb", type=int, default=512, help="array size of the bandwidth measurement")
+    parser.add_argument("--bandwidth-mb", type=int, default=1024, help="matrix size of the bandwidth measurement")
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.strategies = [s for s in args.strategies.split(",") if s]
     args.prompts = [p for p in args.prompts.split(",") if p]
+    if args.repeats < 3:
+        parser.error("--repeats must be at least 3: one pass says nothing about the noise")
     for s in args.strategies:
         if s not in STRATEGIES:
             parser.error(f"unknown strategy {s!r}; choose from {', '.join(STRATEGIES)}")
@@ -817,12 +850,15 @@ def main(argv=None) -> None:
     cores = pin_threads(args.threads)
     quiet_transformers()
     os.makedirs(args.out, exist_ok=True)
-    bandwidth = measure_copy_bandwidth(len(cores), args.copy_mb)
+    bandwidth = measure_read_bandwidth(args.bandwidth_mb)
     env = environment(cores, bandwidth)
     notes: list[str] = []
-    if args.schedule != "constant":
+    if args.schedule == "adaptive":
+        notes.append("jaxspec's adaptive schedule drafts fewer tokens after misses and stops drafting while a row "
+                     "keeps missing; transformers has no such schedule and drafts K every round (constant)")
+    elif args.schedule != "constant":
         notes.append(f"{args.schedule} schedule: jaxspec grows the draft length up to its static buffer "
-                     "(max_assistant_tokens, by default 2 K); transformers grows it without a cap")
+                     "(max_assistant_tokens, by default 16); transformers grows it without a cap")
     if "speculative" in args.strategies and not args.skip_hf and importlib.util.find_spec("sklearn") is not None:
         # transformers' AssistedCandidateGenerator re-fits the threshold from a ROC curve when sklearn imports.
         notes.append("scikit-learn is installed: transformers re-tunes assistant_confidence_threshold during "
@@ -834,7 +870,7 @@ def main(argv=None) -> None:
         "",
         f"{len(cores)} thread{'s' if len(cores) > 1 else ''} (cores {cores}); jax {env['jax']}, "
         f"transformers {env['transformers']}, "
-        f"torch {env['torch']}; prompts: {', '.join(args.prompts)}. Copy bandwidth {bandwidth:.1f} GB/s.",
+        f"torch {env['torch']}; prompts: {', '.join(args.prompts)}. Read bandwidth {bandwidth:.1f} GB/s.",
     ]
     rows: list[Row] = []
     rooflines: list[Roofline] = []
@@ -880,8 +916,7 @@ def main(argv=None) -> None:
 
 def measurement_record(m: Measurement) -> dict[str, Any]:
     """Every call as measured, plus the per-pass rates behind the median (their spread shows the noise)."""
-    per_pass = [m.new_tokens / sum(c.seconds for c in calls) for calls in m.passes]
-    return dataclasses.asdict(m) | {"tokens_per_second": m.tokens_per_second, "tokens_per_second_per_pass": per_pass}
+    return dataclasses.asdict(m) | {"tokens_per_second": m.tokens_per_second, "tokens_per_second_per_pass": m.per_pass}
 
 
 def roofline(name: str, run: ModelRun, bandwidth: float) -> Roofline:
