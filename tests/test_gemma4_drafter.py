@@ -23,7 +23,7 @@ import torch
 from flax import nnx
 
 import jaxspec
-from jaxspec import settings as settings_lib
+from jaxspec import checkpoint, settings as settings_lib
 from jaxspec.loading import Model
 from jaxspec.models.gemma import GemmaConfig, GemmaForCausalLM
 from jaxspec.models.gemma4_assistant import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
@@ -118,6 +118,23 @@ def test_one_draft_step_matches_transformers(pair, tmp_path, ordered):
         np.testing.assert_allclose(np.asarray(logits[row]), expected.logits[0].numpy(), atol=2e-5, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(projected[row]), expected.last_hidden_state[0].numpy(), atol=2e-5,
                                    rtol=1e-5)
+
+
+def test_conversion_folder_and_bfloat16_keep_the_token_ordering(tmp_path):
+    """The centroid head's token ids survive a bfloat16 load (262144 ids do not fit its mantissa) and a conversion
+    folder restores to the same params."""
+    hf_drafter = hf_models.build_tiny_gemma4_assistant(seed=2, use_ordered_embeddings=True, num_centroids=8,
+                                                       centroid_intermediate_top_k=2)
+    folder = _save(hf_drafter, tmp_path / "hf")
+    ordering = hf_drafter.masked_embedding.token_ordering.numpy()
+    half = jaxspec.load(folder, dtype="bfloat16").module
+    assert half.embed[...].dtype == jnp.bfloat16 and half.token_ordering[...].dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(half.token_ordering[...]), ordering)
+    model = jaxspec.load(folder)
+    restored = jaxspec.load(checkpoint.save(model, tmp_path / "converted"))
+    assert isinstance(restored.module, Gemma4AssistantForCausalLM)
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model.module)),
+                 nnx.to_pure_dict(nnx.state(restored.module)))
 
 
 def test_greedy_equals_plain_greedy_and_transformers_assisted_run(pair):
