@@ -8,7 +8,7 @@ until every row is done. One round: the drafter proposes up to K tokens per row;
 and at its budget. Plain decoding is the K = 0 drafter, not a second loop.
 
 What recompiles: only shapes and the choice of strategy. Prompts are left-aligned in a token buffer whose length
-is rounded up to a power of two (at least MIN_BUFFER), so prompts and budgets of similar size share executables;
+is rounded up (`buffer_size`), so prompts and budgets of similar size share executables;
 sampling settings and processors are run-time arrays (jaxspec.settings).
 """
 
@@ -35,7 +35,9 @@ from .strategies import choose_strategy, default_prefill_chunk
 from .strategies.base import Context, Counters, DecodeState, Drafter, PrefillChunk, RoundResult
 from .verify import verify
 
-MIN_BUFFER = 256  # smallest token buffer / cache length; sizes above it are powers of two
+MIN_BUFFER = 256  # smallest token buffer / cache length
+LARGE_BUFFER = 2048  # buffers up to this are powers of two ...
+BUFFER_STEP = 512  # ... longer ones multiples of this
 
 _trace_count = 0
 
@@ -409,11 +411,16 @@ class HostControl:
 
 
 def buffer_size(needed: int, chunk: int) -> int:
-    """Token buffer / cache length for `needed` positions: a power of two, at least MIN_BUFFER and one chunk (so
-    the prefill's chunks tile it exactly)."""
+    """Token buffer / cache length for `needed` positions, rounded so that nearby prompt lengths and budgets share
+    executables: a power of two up to LARGE_BUFFER, then a multiple of BUFFER_STEP (a long context wastes less than
+    a step of cache); at least MIN_BUFFER, and a multiple of the prefill chunk, so that its chunks tile it exactly."""
     if chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"prefill_chunk must be a power of two, got {chunk}.")
-    return max(MIN_BUFFER, chunk, 1 << (needed - 1).bit_length())
+    if needed <= LARGE_BUFFER:
+        size = max(MIN_BUFFER, 1 << (needed - 1).bit_length())
+    else:
+        size = -(-needed // BUFFER_STEP) * BUFFER_STEP
+    return -(-size // chunk) * chunk
 
 
 MAX_COMPILED = 32  # a long session (a notebook, a test run) should not keep every executable alive

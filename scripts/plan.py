@@ -9,9 +9,9 @@ glm-4.5-air and glm-4.5). Every param, cache and MTP buffer is laid out exactly 
 built abstractly (`nnx.eval_shape`), each array's logical axes go through the same `ShardingRules`, and a dimension
 that its mesh axis does not divide is replicated. Printed per device: weights by dtype (of which MTP layers), the
 target's KV or latent cache at `--batch` rows of `--max-len` positions (the cache also holds the draft window, and
-generate rounds its length up to a multiple of 128), and the MTP drafter's state (one cache per depth and the main
-hidden states). Sizes are in GB (10^9 bytes), as TPU HBM is quoted. FP8 checkpoints are dequantized when loaded, so
-weights take `--dtype` (default bf16), not the checkpoint's fp8 bytes.
+generate rounds its length up as `jaxspec.generate.buffer_size` does), and the MTP drafter's state (one cache per
+depth and the main hidden states). Sizes are in GB (10^9 bytes), as TPU HBM is quoted. FP8 checkpoints are
+dequantized when loaded, so weights take `--dtype` (default bf16), not the checkpoint's fp8 bytes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import sys
 from collections import defaultdict
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plan_configs.json")
-CACHE_ROUNDING = 128  # as jaxspec.generate
 GB = 1e9
 
 # (slice name, chips, HBM per chip in GB). v5p-N counts TensorCores (2 per chip); v5e-N and v6e-N count chips.
@@ -96,7 +95,9 @@ def plan(hf: dict, label: str, mesh: dict[str, int], dtype: str, batch: int, max
     import numpy as np
     from flax import nnx
 
+    from jaxspec.generate import buffer_size
     from jaxspec.registry import family_for
+    from jaxspec.strategies import default_prefill_chunk
     from jaxspec.sharding import ShardingRules, shard_shape
 
     rules = ShardingRules()
@@ -119,7 +120,7 @@ def plan(hf: dict, label: str, mesh: dict[str, int], dtype: str, batch: int, max
         params += 0 if is_mtp else math.prod(value.shape)
 
     depths = getattr(cfg, "num_mtp_layers", 0) if mtp else 0
-    size = -(-(max_len + depths + 1) // CACHE_ROUNDING) * CACHE_ROUNDING
+    size = buffer_size(max_len + depths + 1, default_prefill_chunk())  # the cache length generate allocates
     cache = jax.eval_shape(lambda: module.init_cache(batch, size))
     axes = type(cache).logical_axes()
     cache_bytes = sum(per_device(c.shape, c.dtype, a) for c, a in zip(jax.tree.leaves(cache), _axes_leaves(axes)))
