@@ -1,7 +1,8 @@
 """Llama-family decoder (`LlamaForCausalLM`, `Qwen2ForCausalLM`) as HF transformers defines it.
 
-Layer parameters are stacked on a leading `layers` axis and the forward pass scans over them, so compile time does
-not grow with depth and a contiguous range of layers (the early-exit drafter's first E) is a static slice.
+Each layer keeps its own arrays and the forward pass is an unrolled Python loop over them (see `LlamaForCausalLM`
+for why not a scan over stacked weights); a contiguous range of layers (the early-exit drafter's first E) is a
+static range of that loop.
 """
 
 from __future__ import annotations
