@@ -31,5 +31,22 @@ def load(path: str, dtype: Any = None, progress: bool = False, *, mesh=None, sha
     return convert(path, _dtype_or_default(dtype), progress, mesh=mesh, sharding_rules=sharding_rules)
 
 
+def enable_compilation_cache(folder: str | None = None) -> str | None:
+    """Keep compiled loops on disk (JAX's persistent compilation cache), so a new process with the same model,
+    strategy and shapes loads them instead of compiling. Call it before the first `generate`.
+
+    `folder`: default `$JAXSPEC_COMPILATION_CACHE`, else `~/.cache/jaxspec/xla`; "off" leaves the cache off.
+    Returns the folder in use, or None.
+    """
+    import jax
+
+    folder = folder or os.environ.get("JAXSPEC_COMPILATION_CACHE") or os.path.expanduser("~/.cache/jaxspec/xla")
+    if folder == "off":
+        return None
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return folder
+
+
 def _dtype_or_default(dtype: Any) -> jnp.dtype:
     return jnp.dtype(dtype) if dtype is not None else default_dtype()

@@ -66,6 +66,11 @@ class GenerateOutput:
     # plain decoding would have used at that position), -inf rows past a row's end; else None.
     logits: np.ndarray | None = None
 
+    def new_tokens(self, row: int = 0) -> np.ndarray:
+        """Row `row`'s new tokens: up to and including its EOS, without the padding after it. [N_row] int32"""
+        start = self.sequences.shape[1] - int(self.num_new_tokens.max())
+        return self.sequences[row, start: start + int(self.num_new_tokens[row])]
+
     @property
     def acceptance_rate(self) -> float:
         """Accepted / drafted tokens over the batch (nan when nothing was drafted)."""

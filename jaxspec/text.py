@@ -39,10 +39,8 @@ def generate_text(
         raise ValueError("prompts is empty.")
     rows = [_encode(tokenizer, prompt, chat) for prompt in batch]
     output = generate(model, rows, tokenizer=given_tokenizer, **kwargs)
-    width = output.sequences.shape[1] - int(output.num_new_tokens.max())
-    texts = [tokenizer.decode(output.sequences[row, width: width + int(n)].tolist(),
-                              skip_special_tokens=skip_special_tokens)
-             for row, n in enumerate(output.num_new_tokens)]
+    texts = [tokenizer.decode(output.new_tokens(row).tolist(), skip_special_tokens=skip_special_tokens)
+             for row in range(len(rows))]
     result = texts[0] if single else texts
     return (result, output) if return_output else result
 

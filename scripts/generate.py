@@ -80,15 +80,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def enable_compilation_cache() -> None:
-    import jax
-
-    folder = os.environ.get("JAXSPEC_COMPILATION_CACHE", os.path.expanduser("~/.cache/jaxspec/xla"))
-    if folder != "off":
-        jax.config.update("jax_compilation_cache_dir", folder)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
 def strategy_kwargs(args) -> dict:
     """The strategy's generate() arguments; an option the strategy does not use reaches generate, which names it."""
     draft_length = dict(num_assistant_tokens=args.num_assistant_tokens,
@@ -144,11 +135,12 @@ def start_distributed(args) -> bool:
 def main(argv=None) -> int:
     args = parse_args(argv)
     multiprocess = start_distributed(args)
-    enable_compilation_cache()
     import jax
 
     import jaxspec
     from jaxspec.sharding import make_mesh
+
+    jaxspec.enable_compilation_cache()
 
     mesh = make_mesh(args.mesh or f"model={jax.device_count()}") if args.mesh or multiprocess else None
     start = time.perf_counter()
@@ -177,7 +169,7 @@ def main(argv=None) -> int:
             if jax.process_index() == 0 else SilentStreamer()
     out = jaxspec.generate(model, [ids], assistant_model=assistant, streamer=streamer, stop_strings=args.stop,
                            **common, **strategy_kwargs(args))
-    new_ids = out.sequences[0, len(ids): len(ids) + int(out.num_new_tokens[0])].tolist()
+    new_ids = out.new_tokens(0).tolist()
     text = model.tokenizer.decode(new_ids, skip_special_tokens=True)
     report = out.counters() | {"load_seconds": load_seconds}
     if args.compare_plain and args.strategy not in ("greedy", "sample"):
