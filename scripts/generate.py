@@ -115,6 +115,18 @@ class SilentStreamer:
         pass
 
 
+def QuietStreamer(*args, **kwargs):
+    """transformers' TextStreamer doing all its work (decoding) but printing nothing: what a fair comparison with a
+    streamed run streams into."""
+    from transformers import TextStreamer
+
+    class Quiet(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            pass
+
+    return Quiet(*args, **kwargs)
+
+
 def plain_is_sampling(model, common) -> bool:
     """Whether these settings sample (the call's do_sample, else the model's generation_config)."""
     if common["do_sample"] is not None:
@@ -173,7 +185,9 @@ def main(argv=None) -> int:
     text = model.tokenizer.decode(new_ids, skip_special_tokens=True)
     report = out.counters() | {"load_seconds": load_seconds}
     if args.compare_plain and args.strategy not in ("greedy", "sample"):
-        plain = jaxspec.generate(model, [ids], stop_strings=args.stop, **common)
+        # Plain decoding runs the way the strategy ran: streamed (into a streamer that prints nothing) or not.
+        quiet = QuietStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True) if streaming else None
+        plain = jaxspec.generate(model, [ids], stop_strings=args.stop, streamer=quiet, **common)
         report["plain_tokens_per_second"] = plain.tokens_per_second
         report["speedup_over_plain"] = out.tokens_per_second / plain.tokens_per_second
         # Greedy output must be identical; sampled outputs come from other random streams and may differ.
