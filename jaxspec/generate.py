@@ -32,7 +32,7 @@ from .sampling import select
 from .settings import Settings
 from .sharding import ShardingRules, constrain, named_sharding, shard_state
 from .strategies import choose_strategy, default_prefill_chunk
-from .strategies.base import Context, Counters, DecodeState, Drafter, PrefillChunk, RoundResult
+from .strategies.base import Context, Counters, DecodeState, Drafter, PrefillChunk, RoundResult, verify_widths
 from .verify import verify
 
 MIN_BUFFER = 256  # smallest token buffer / cache length
@@ -124,10 +124,7 @@ class LoopSpec:
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
-        """Static verify widths: powers of two below K + 1, then K + 1 itself. Each compiles once."""
-        k1 = self.drafter.max_draft + 1
-        widths = {1, k1} | {2**i for i in range(k1.bit_length()) if 2**i < k1}
-        return tuple(sorted(widths))
+        return verify_widths(self.drafter.max_draft)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -119,27 +119,43 @@ def test_always_wrong_assistant_accepts_nothing_and_backs_off(tiny_llama_dir, ta
     assert adaptive.draft_forwards < constant.draft_forwards / 5
 
 
-def test_adaptive_schedule_rule():
-    """Doubling after full acceptance, accepted + 1 after a partial one, back-off after repeated misses."""
-    schedule = Schedule("adaptive")
-    state = schedule.init(1, initial=4)
+def run_schedule(schedule, copies, cap=7):
+    """One row through rounds in which every draft is accepted (copies[i] True) or none is; -> drafts allowed per
+    round."""
+    state, allowed = schedule.init(1, initial=cap), []
+    for copying in copies:
+        drafted = int(schedule.allowed(state)[0])
+        allowed.append(drafted)
+        result = RoundResult(drafted=np.array([drafted]), accepted=np.array([drafted if copying else 0]),
+                             committed=np.array([1]), tokens=None, hidden=None, lengths=None)
+        state = schedule.update(state, result, cap=cap)
+    return allowed
 
-    def step(state, drafted, accepted):
-        result = RoundResult(drafted=np.array([drafted]), accepted=np.array([accepted]), committed=np.array([1]),
-                             tokens=None, hidden=None, lengths=None)
-        return schedule.update(state, result, cap=10)
 
-    trace = []
-    for drafted, accepted in [(4, 4), (8, 8), (10, 3), (4, 0), (1, 0), (0, 0), (1, 0), (0, 0), (0, 0), (1, 1)]:
-        state = step(state, drafted, accepted)
-        trace.append((int(state.num_tokens[0]), int(schedule.allowed(state)[0])))
-    assert trace == [(8, 8), (10, 10), (4, 4), (1, 1), (1, 0), (1, 1), (1, 0), (1, 0), (1, 1), (3, 3)]
+CPU_COSTS = dict(widths=(1, 2, 4, 8), verify_costs=(1.0, 1.47, 1.59, 1.83))
+
+
+def test_adaptive_schedule_drafts_what_pays():
+    """Copying text: blocks grow to K. Text that does not copy: drafting stops, and one-draft probes come after 1, 2,
+    4, ... idle rounds. When copying resumes, a probe that hits brings drafting back. An expensive drafter needs
+    more evidence than a free one."""
+    free = Schedule("adaptive", draft_cost=0.0, **CPU_COSTS)
+    allowed = run_schedule(free, [True] * 4 + [False] * 60 + [True] * 40)
+    assert allowed[:4] == [3, 7, 7, 7]  # the prior (0.6) pays for 3 drafts; full acceptance makes K pay
+    idle = allowed[4:64]
+    probes = np.flatnonzero(idle[15:])
+    assert (np.array(idle[15:])[probes] == 1).all() and len(probes) <= 4  # it stops drafting but for probes ...
+    assert np.diff(probes).tolist() == sorted(np.diff(probes).tolist()) and max(np.diff(probes)) >= 16  # backing off
+    assert allowed[-1] == 7  # a probe hit once the text copied again, and blocks grew back
+    costly = Schedule("adaptive", draft_cost=0.5, **CPU_COSTS)
+    assert run_schedule(costly, [False])[0] == 1 and run_schedule(free, [False])[0] == 3
+    assert run_schedule(costly, [True] * 6)[-1] > 1  # hits make even an expensive drafter pay
 
 
 def test_heuristic_schedule_follows_transformers_rule():
     """+2 after a round in which every draft was accepted (a round without drafts counts), else -1, never below 1."""
     schedule = Schedule("heuristic")
-    state = DraftLength(num_tokens=np.array([2]), misses=np.array([0]), cooldown=np.array([0]))
+    state = schedule.init(1, initial=2)
     seen = []
     for drafted, accepted in [(2, 2), (4, 4), (6, 1), (5, 0), (4, 0), (3, 0), (2, 0), (1, 0), (0, 0), (3, 3)]:
         result = RoundResult(drafted=np.array([drafted]), accepted=np.array([accepted]), committed=np.array([1]),

@@ -128,37 +128,80 @@ class Context:
 class DraftLength:
     """Each row's draft-length schedule state."""
 
-    num_tokens: jax.Array  # [B] the row's next draft length, 1..K
-    misses: jax.Array  # [B] consecutive drafting rounds in which nothing was accepted (adaptive)
-    cooldown: jax.Array  # [B] rounds left in which the row does not draft (adaptive)
+    num_tokens: jax.Array  # [B] the row's draft length (constant, heuristic), or the adaptive schedule's last choice
+    misses: jax.Array  # [B] adaptive: probes in a row that accepted nothing
+    cooldown: jax.Array  # [B] adaptive: rounds until the next probe, while drafting does not pay
+    accepted: jax.Array  # [B] float, adaptive: decayed count of accepted drafts
+    judged: jax.Array  # [B] float, adaptive: decayed count of drafts verification judged (accepted or the rejected one)
+
+
+def verify_widths(max_draft: int) -> tuple[int, ...]:
+    """The static widths a verify block may have: 1, the powers of two below K + 1, and K + 1. Each compiles once
+    (jaxspec.generate picks the narrowest that holds a round's drafts)."""
+    k1 = max_draft + 1
+    return tuple(sorted({1, k1} | {2**i for i in range(k1.bit_length()) if 2**i < k1}))
+
+
+def default_verify_costs(widths: tuple[int, ...]) -> tuple[float, ...]:
+    """The cost of a verify block of each width, in plain decoding steps (width 1 = 1), as the adaptive schedule
+    assumes it. On a CPU a block of 2 or more tokens leaves the memory-bound matrix-vector path for a matrix
+    multiply that first packs its weights: measured on SmolLM2-135M and a 1.2B Gemma 4-shaped model (2 cores,
+    float32), 2 tokens cost about 1.45 steps, 8 tokens about 1.85. On accelerators a few extra tokens are nearly
+    free while decoding is memory-bound."""
+    if jax.default_backend() == "cpu":
+        return tuple(1.0 if w == 1 else 1.35 + 0.06 * w for w in widths)
+    return tuple(1.0 + 0.02 * (w - 1) for w in widths)
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """How a row's draft length follows what verification accepted.
 
-    - "adaptive" (jaxspec's default for every drafter): after a round whose drafts were all accepted the length
-      doubles (at least +2), after a partial acceptance it becomes accepted + 1, and after a round in which nothing
-      was accepted it drops to 1; a row that misses twice in a row stops drafting for 1 round, then 2, 4, ... up to
-      MAX_COOLDOWN, and probes again with one draft. On text the drafter cannot predict, the overhead over plain
-      decoding is then one probe every ~33 rounds; on text it predicts, the length reaches K within a few rounds.
+    - "adaptive" (jaxspec's default for every drafter): each row keeps a decayed estimate of the probability that a
+      draft is accepted (its `accepted` / `judged` counts, with a prior). Each round it drafts the number of tokens
+      that maximises expected tokens per cost: a block of d drafts commits (1 - a^(d+1)) / (1 - a) tokens on average
+      and costs `verify_costs` of its width plus `draft_cost` per draft (drafting-model steps, in target steps). When
+      no length beats a plain step, the row does not draft, except for a one-draft probe after 1, 2, 4, ... up to
+      MAX_COOLDOWN rounds (doubling while probes miss), so that text which starts to repeat is noticed. On text the
+      drafter cannot predict, drafting therefore costs one probe every ~33 rounds; on text it predicts, rows draft
+      the longest block that pays.
     - "constant": always K (HF's default for assistants, and what HF's prompt lookup does).
     - "heuristic" / "heuristic_transient": HF's rule, +2 after a round in which every draft was accepted (a round
       without drafts counts, as in HF), else -1, never below 1, capped by K.
     """
 
     kind: str = "adaptive"
-    # The first round's draft length (1..K). A run-time input of the loop (`Drafter.runtime_inputs`), not part of
-    # the compiled program: HF's "heuristic" schedule changes it on every call.
+    # The first round's draft length (1..K) of constant and heuristic schedules. A run-time input of the loop
+    # (`Drafter.runtime_inputs`), not part of the compiled program: HF's "heuristic" schedule changes it every call.
     initial: int = dataclasses.field(default=1, compare=False)
+    widths: tuple[int, ...] = ()  # the verify widths of the loop (adaptive); () means the cap alone decides
+    verify_costs: tuple[float, ...] = ()  # the cost of each width, in plain steps
+    draft_cost: float = 0.0  # the cost of proposing one draft, in plain steps (0 for copied drafts)
+
+    PRIOR_ACCEPTANCE = 0.6  # before any evidence, a row assumes this acceptance ...
+    PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
+    DECAY = 0.8  # evidence from each earlier drafting round counts this much less
 
     def init(self, batch: int, initial: jax.Array) -> DraftLength:
         zeros = jnp.zeros((batch,), jnp.int32)
-        return DraftLength(num_tokens=jnp.full((batch,), initial, jnp.int32), misses=zeros, cooldown=zeros)
+        return DraftLength(num_tokens=jnp.full((batch,), initial, jnp.int32), misses=zeros, cooldown=zeros,
+                           accepted=jnp.zeros((batch,), jnp.float32), judged=jnp.zeros((batch,), jnp.float32))
+
+    def acceptance(self, state: DraftLength) -> jax.Array:
+        """[B] each row's estimated probability that a draft is accepted."""
+        prior = self.PRIOR_ACCEPTANCE * self.PRIOR_WEIGHT
+        return (state.accepted + prior) / (state.judged + self.PRIOR_WEIGHT)
 
     def allowed(self, state: DraftLength) -> jax.Array:
         """[B] how many drafts each row may propose this round."""
-        return jnp.where(state.cooldown > 0, 0, state.num_tokens)
+        if self.kind != "adaptive" or not self.widths:
+            return state.num_tokens
+        drafts = jnp.asarray(self.widths, jnp.float32) - 1  # [N] the drafts each width holds
+        rate = jnp.clip(self.acceptance(state), 0.0, 0.999)[:, None]  # [B, 1]
+        expected = (1 - rate ** (drafts + 1)) / (1 - rate)  # [B, N] tokens a round commits
+        cost = jnp.asarray(self.verify_costs, jnp.float32) + self.draft_cost * drafts
+        best = jnp.asarray(self.widths)[jnp.argmax(expected / cost, axis=-1)] - 1  # [B] 0: drafting does not pay
+        return jnp.where(best > 0, best, jnp.where(state.cooldown == 0, 1, 0))  # else a one-draft probe, at times
 
     def update(self, state: DraftLength, result: RoundResult, cap: int) -> DraftLength:
         """`cap`: K, the static size of the draft buffer."""
@@ -171,15 +214,17 @@ class Schedule:
             return dataclasses.replace(state, num_tokens=jnp.where(active, jnp.minimum(grown, cap),
                                                                    state.num_tokens))
         tried = active & (result.drafted > 0)
-        all_accepted = tried & (result.accepted == result.drafted)
-        missed = tried & (result.accepted == 0)
-        num_tokens = jnp.where(all_accepted, jnp.minimum(cap, state.num_tokens + jnp.maximum(state.num_tokens, 2)),
-                               jnp.where(tried, jnp.clip(result.accepted + 1, 1, cap), state.num_tokens))
-        misses = jnp.where(missed, state.misses + 1, jnp.where(tried, 0, state.misses))
-        backoff = jnp.minimum(jnp.left_shift(1, jnp.clip(misses - 2, 0, 8)), MAX_COOLDOWN)
-        cooldown = jnp.where(missed & (misses >= 2), backoff,
+        judged = result.accepted + (result.accepted < result.drafted)  # the accepted ones, then the rejected one
+        accepted = jnp.where(tried, self.DECAY * state.accepted + result.accepted, state.accepted)
+        judged = jnp.where(tried, self.DECAY * state.judged + judged, state.judged)
+        probed = tried & (result.drafted == 1) & (state.cooldown == 0)  # only a probe can draft one while idle
+        missed = probed & (result.accepted == 0)
+        misses = jnp.where(missed, state.misses + 1, jnp.where(tried & (result.accepted > 0), 0, state.misses))
+        backoff = jnp.minimum(jnp.left_shift(1, jnp.clip(misses - 1, 0, 8)), MAX_COOLDOWN)
+        cooldown = jnp.where(missed, backoff,
                              jnp.where(active & ~tried, jnp.maximum(state.cooldown - 1, 0), state.cooldown))
-        return DraftLength(num_tokens=num_tokens, misses=misses, cooldown=cooldown)
+        num_tokens = jnp.where(tried, result.drafted, state.num_tokens)
+        return DraftLength(num_tokens=num_tokens, misses=misses, cooldown=cooldown, accepted=accepted, judged=judged)
 
 
 @dataclasses.dataclass(frozen=True)
