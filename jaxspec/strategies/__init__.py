@@ -13,22 +13,27 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 
-from .base import SCHEDULES, Drafter, Schedule
+from .base import SCHEDULES, Drafter, Schedule, default_verify_costs, verify_widths
 from .gemma4_drafter import is_gemma4_drafter
 
 # HF's defaults for the assistant's settings, except the schedule (see the module docstring).
 DEFAULTS = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "adaptive",
             "assistant_confidence_threshold": 0.4}
-# The static draft-buffer size K of the growing schedules when max_assistant_tokens is not given. It does not depend
+# The static draft-buffer size K of HF's growing schedules when max_assistant_tokens is not given. It does not depend
 # on the assistant's persisted num_assistant_tokens, so repeated calls reuse one compiled loop.
 DEFAULT_MAX_ASSISTANT_TOKENS = 16
+# The adaptive schedule's K when neither num_assistant_tokens nor max_assistant_tokens is set: verify widths 1, 2, 4
+# and 8 (longer blocks rarely pay on a CPU; pass more on accelerators).
+DEFAULT_ADAPTIVE_DRAFTS = 7
 
 # The strategy arguments each strategy reads; any other one passed (not None) is an error.
 USES = {
     "greedy": set(),
     "speculative": {"assistant_model", "num_assistant_tokens", "num_assistant_tokens_schedule",
-                    "assistant_confidence_threshold", "max_assistant_tokens", "assistant_ensemble_weight"},
+                    "assistant_confidence_threshold", "max_assistant_tokens", "assistant_ensemble_weight",
+                    "assistant_tokenizer"},
     "early_exit": {"assistant_early_exit", "num_assistant_tokens", "num_assistant_tokens_schedule",
                    "assistant_confidence_threshold", "max_assistant_tokens", "assistant_ensemble_weight"},
     "prompt_lookup": {"prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens_schedule"},
@@ -63,12 +68,7 @@ def choose_strategy(model, *, do_sample: bool, prefill_chunk: int | None = None,
             "assistant_early_exit": "early_exit", "use_mtp": "mtp"}.get(triggers[0] if triggers else "", "greedy")
     if name == "speculative" and is_gemma4_drafter(arguments["assistant_model"]):
         name = "mtp_drafter"
-    if given & {"tokenizer", "assistant_tokenizer"}:
-        if name != "speculative":
-            raise ValueError("tokenizer= and assistant_tokenizer= are for an assistant_model with another tokenizer.")
-        raise NotImplementedError("Universal assisted decoding (an assistant with a different tokenizer, "
-                                  "tokenizer= and assistant_tokenizer=) is not supported yet.")
-    unused = sorted(given - USES[name])
+    unused = sorted(given - USES[name] - {"tokenizer"})  # tokenizer= also reads stop_strings, for any strategy
     if unused:
         what = "plain decoding" if name == "greedy" else f"the {name} strategy"
         raise ValueError(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used by {what}; "
@@ -88,29 +88,38 @@ def choose_strategy(model, *, do_sample: bool, prefill_chunk: int | None = None,
         from .gemma4_drafter import DRAFT_DEFAULTS, Gemma4Drafter, check_pair
 
         check_pair(model, arguments["assistant_model"])
-        max_draft, schedule, threshold = _draft_length(arguments["assistant_model"], arguments, DRAFT_DEFAULTS)
+        cost = weight_bytes(arguments["assistant_model"].module) / weight_bytes(model.module)
+        max_draft, schedule, threshold = _draft_length(arguments["assistant_model"], arguments, DRAFT_DEFAULTS, cost)
         return StrategyChoice("mtp_drafter", Gemma4Drafter(max_draft=max_draft, schedule=schedule,
                                                            confidence_threshold=threshold, keep_probs=keep_probs),
                               arguments["assistant_model"])
     source = arguments["assistant_model"] if name == "speculative" else model
     if name == "speculative":
         _check_assistant(model, source)
-    max_draft, schedule, threshold = _draft_length(source, arguments)
-    if name == "early_exit":
-        from .early_exit import EarlyExitDrafter
-
+        cost = weight_bytes(source.module) / weight_bytes(model.module)
+    else:
         exit_layer, layers = arguments["assistant_early_exit"], model.config.num_layers
         if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer <= layers - 1:
             raise ValueError(f"assistant_early_exit must be a layer count in 1..{layers - 1} (the model has {layers} "
                              f"layers), got {exit_layer!r}.")
+        head = head_share(model)  # a draft runs the first E layers and the LM head
+        cost = head + (1 - head) * exit_layer / layers
+    max_draft, schedule, threshold = _draft_length(source, arguments, DEFAULTS, cost)
+    if name == "early_exit":
+        from .early_exit import EarlyExitDrafter
+
         return StrategyChoice("early_exit", EarlyExitDrafter(max_draft=max_draft, schedule=schedule,
                                                              confidence_threshold=threshold, keep_probs=keep_probs,
                                                              exit_layer=exit_layer))
     from .draft_model import DraftModelDrafter
+    from .universal import tokenizer_pair, universal_drafter
 
-    drafter = DraftModelDrafter(max_draft=max_draft, schedule=schedule, confidence_threshold=threshold,
-                                keep_probs=keep_probs, catch_up_width=prefill_chunk or default_prefill_chunk())
-    return StrategyChoice("speculative", drafter, source)
+    settings = dict(max_draft=max_draft, schedule=schedule, confidence_threshold=threshold, keep_probs=keep_probs,
+                    catch_up_width=prefill_chunk or default_prefill_chunk())
+    pair = tokenizer_pair(model, source, arguments.get("tokenizer"), arguments.get("assistant_tokenizer"))
+    if pair is not None:  # the assistant reads another vocabulary
+        return StrategyChoice("universal", universal_drafter(model, source, *pair, **settings), source)
+    return StrategyChoice("speculative", DraftModelDrafter(**settings), source)
 
 
 def _prompt_lookup(arguments) -> StrategyChoice:
@@ -123,7 +132,7 @@ def _prompt_lookup(arguments) -> StrategyChoice:
     kind = _schedule_kind(arguments.get("num_assistant_tokens_schedule") or "adaptive", ("adaptive", "constant"),
                           "prompt lookup")
     return StrategyChoice("prompt_lookup", PromptLookupDrafter(max_draft=k, max_ngram=ngram,
-                                                               schedule=Schedule(kind, initial=k)))
+                                                               schedule=make_schedule(kind, k, k, draft_cost=0.0)))
 
 
 def _mtp(model, arguments, keep_probs: bool) -> StrategyChoice:
@@ -139,12 +148,36 @@ def _mtp(model, arguments, keep_probs: bool) -> StrategyChoice:
     _check_positive_int("num_assistant_tokens", drafts)
     kind = _schedule_kind(arguments.get("num_assistant_tokens_schedule") or "adaptive", ("adaptive", "constant"),
                           "use_mtp")
+    # Every depth runs every round whatever the schedule decides (see mtp.py), so drafts cost nothing extra.
     return StrategyChoice("mtp", MtpDrafter(max_draft=int(drafts), num_layers=layers, keep_probs=keep_probs,
-                                            schedule=Schedule(kind, initial=int(drafts))))
+                                            schedule=make_schedule(kind, int(drafts), int(drafts), draft_cost=0.0)))
 
 
-def _draft_length(source_model, arguments, defaults=DEFAULTS) -> tuple[int, Schedule, float]:
-    """(K, schedule, confidence threshold) of an assistant or early-exit drafter."""
+def make_schedule(kind: str, initial: int, max_draft: int, draft_cost: float) -> Schedule:
+    """A schedule; the adaptive one gets the loop's verify widths, their costs and the cost of one draft."""
+    if kind != "adaptive":
+        return Schedule(kind, initial=initial)
+    widths = verify_widths(max_draft)
+    return Schedule(kind, initial=initial, widths=widths, verify_costs=default_verify_costs(widths),
+                    draft_cost=round(float(draft_cost), 3))
+
+
+def weight_bytes(module) -> int:
+    """Bytes of a module's params: what one decoding step reads when it is memory-bound."""
+    from flax import nnx
+
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+def head_share(model) -> float:
+    """The LM head's share of the weights a decoding step reads."""
+    cfg = model.config
+    return min(1.0, cfg.vocab_size * cfg.hidden_size * np.dtype(model.dtype).itemsize / weight_bytes(model.module))
+
+
+def _draft_length(source_model, arguments, defaults, draft_cost: float) -> tuple[int, Schedule, float]:
+    """(K, schedule, confidence threshold) of an assistant or early-exit drafter; `draft_cost` is one draft's cost
+    in target decoding steps (the adaptive schedule weighs it)."""
     config = getattr(source_model, "generation_config", {}) or {}
 
     def pick(name):
@@ -153,6 +186,7 @@ def _draft_length(source_model, arguments, defaults=DEFAULTS) -> tuple[int, Sche
         return config[name] if config.get(name) is not None else defaults[name]
 
     num_tokens, kind, threshold = (pick(name) for name in DEFAULTS)
+    explicit = arguments.get("num_assistant_tokens") or config.get("num_assistant_tokens")
     _check_positive_int("num_assistant_tokens", num_tokens)
     kind = _schedule_kind(kind, SCHEDULES, "this strategy")
     if not 0.0 <= threshold <= 1.0:
@@ -164,6 +198,11 @@ def _draft_length(source_model, arguments, defaults=DEFAULTS) -> tuple[int, Sche
         if cap is not None and cap < num_tokens:
             raise ValueError(f"max_assistant_tokens ({cap}) must be >= num_assistant_tokens ({num_tokens}).")
         max_draft = num_tokens if cap is None else cap
+    elif kind == "adaptive":  # num_assistant_tokens is the most a round drafts (K); the schedule picks below it
+        max_draft = cap or explicit or DEFAULT_ADAPTIVE_DRAFTS
+        if cap is not None and explicit and explicit > cap:
+            raise ValueError(f"num_assistant_tokens ({explicit}) exceeds max_assistant_tokens ({cap}).")
+        num_tokens = max_draft
     else:
         max_draft = DEFAULT_MAX_ASSISTANT_TOKENS if cap is None else cap
         passed = arguments.get("num_assistant_tokens")
@@ -171,7 +210,7 @@ def _draft_length(source_model, arguments, defaults=DEFAULTS) -> tuple[int, Sche
             raise ValueError(f"num_assistant_tokens ({passed}) exceeds max_assistant_tokens ({max_draft}), the static "
                              f"draft-buffer size of the {kind!r} schedule; pass a larger max_assistant_tokens.")
         num_tokens = min(num_tokens, max_draft)  # a persisted or default length above the buffer starts at the cap
-    return int(max_draft), Schedule(kind, initial=int(num_tokens)), float(threshold)
+    return int(max_draft), make_schedule(kind, int(num_tokens), int(max_draft), draft_cost), float(threshold)
 
 
 def _schedule_kind(kind, allowed, where: str) -> str:
@@ -183,13 +222,6 @@ def _schedule_kind(kind, allowed, where: str) -> str:
 def _check_assistant(model, assistant) -> None:
     if not hasattr(assistant, "module") or not hasattr(assistant, "config"):
         raise TypeError("assistant_model must be a model returned by jaxspec.load.")
-    if assistant.config.vocab_size != model.config.vocab_size:
-        raise ValueError(
-            f"The assistant's vocabulary ({assistant.config.vocab_size}) differs from the target's "
-            f"({model.config.vocab_size}): its token ids mean other things. An assistant with a different tokenizer "
-            "needs universal assisted decoding (tokenizer= and assistant_tokenizer=), which jaxspec does not "
-            "support yet."
-        )
     if not hasattr(assistant.module, "init_cache"):
         raise TypeError(f"{type(assistant.module).__name__} cannot serve as an assistant model (no KV cache).")
 
