@@ -217,7 +217,9 @@ def test_greedy_equals_plain_greedy_and_the_replayed_acceptance(trained, corpora
     prompts = [list(heldout.tokens[i, : heldout.starts[i]]) for i in range(4)]
     steps = int(heldout.lengths.min() - heldout.starts.max())
     plain = jaxspec.generate(model, prompts, max_new_tokens=steps, eos_token_id=[])
-    out = jaxspec.generate(model, prompts, max_new_tokens=steps, eos_token_id=[], use_mtp=True)
+    # The replay drafts both depths every round: the constant schedule (the adaptive one may draft fewer).
+    out = jaxspec.generate(model, prompts, max_new_tokens=steps, eos_token_id=[], use_mtp=True,
+                           num_assistant_tokens_schedule="constant")
     np.testing.assert_array_equal(out.sequences, plain.sequences)
     tokens = jnp.asarray(heldout.tokens)
     positions = jnp.broadcast_to(jnp.arange(SEQ), tokens.shape)
@@ -239,7 +241,7 @@ def test_draft_vocabulary_confines_drafts(trained):
 
 
 def second_token_distribution(model, prompt: list[int]) -> np.ndarray:
-    """The exact distribution of the second sampled token (temperature 1): sum over t1 of p(t1) p(t2 | t1)."""
+    """The exact distribution of the second sampled token (temperature 1, no top-k): sum over t1 of p(t1) p(t2 | t1)."""
     module, v = model.module, model.config.vocab_size
     n = len(prompt)
     rows = jnp.concatenate([jnp.tile(jnp.asarray(prompt)[None], (v, 1)), jnp.arange(v)[:, None]], axis=1)
@@ -266,8 +268,8 @@ def test_sampling_is_exact(trained, vocab):
         assert expected[outside].sum() > 0.1
     rows = 8_000
     # The round after the prefill's token drafts one token (the budget of 3 leaves room for one draft and its bonus).
-    out = jaxspec.generate(model, [prompt] * rows, max_new_tokens=3, do_sample=True, seed=3, eos_token_id=[],
-                           use_mtp=True)
+    out = jaxspec.generate(model, [prompt] * rows, max_new_tokens=3, do_sample=True, top_k=0, seed=3,
+                           eos_token_id=[], use_mtp=True)
     assert out.drafted.sum() > rows // 2 and out.accepted.sum() > rows // 10
     counts = np.bincount(out.sequences[:, len(prompt) + 1], minlength=128)
     frequent = expected * rows >= 5  # the rest pooled into one cell, so every expected count is at least 5
@@ -332,3 +334,60 @@ def test_train_script_writes_an_asset_and_a_conversion(tmp_path):
     plain = jaxspec.generate(model, ids, max_new_tokens=8, eos_token_id=[])
     np.testing.assert_array_equal(jaxspec.generate(model, ids, max_new_tokens=8, eos_token_id=[],
                                                    use_mtp=True).sequences, plain.sequences)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The layers shipped for the default model
+
+SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+               rope_theta=100000.0, max_position_embeddings=8192)
+
+
+def test_shipped_asset_fits_smollm2():
+    """The catalogue's SmolLM2 names a shipped asset whose tensors convert for SmolLM2-135M's shapes (checked
+    without the checkpoint; the slow test below loads the real one)."""
+    from jaxspec import catalog
+    from jaxspec.assets import MTP_FILE, asset_folder
+    from jaxspec.convert.llama import convert_mtp_layers
+    from jaxspec.convert.safetensors_io import SafetensorsFile
+    from jaxspec.models.llama import LlamaConfig
+
+    folder = asset_folder(catalog.get_entry("smollm2-135m").mtp_asset)
+    config = read_asset_config(folder)
+    cfg = LlamaConfig.from_hf_config(SMOLLM2 | {k: config[k] for k in ("num_nextn_predict_layers", "draft_vocab_size")})
+    params = convert_mtp_layers(cfg, SafetensorsFile(os.path.join(folder, MTP_FILE)), np.float32)
+    assert len(params["mtp_layers"]) == cfg.num_mtp_layers >= 1
+    assert params["draft_vocab"].shape == (cfg.draft_vocab_size,)
+    assert os.path.getsize(os.path.join(folder, MTP_FILE)) < 40e6
+    assert config["heldout"]["acceptance"]["1"]["acceptance_rate"] > 0.4
+
+
+@pytest.mark.slow
+def test_smollm2_decodes_with_its_shipped_layers(capsys):
+    """`jaxspec.load("smollm2-135m")` has the shipped MTP layers; use_mtp equals plain greedy and accepts drafts;
+    the CLI's --strategy mtp runs on it with no other step."""
+    import importlib.util
+
+    from jaxspec import catalog
+
+    entry = catalog.get_entry("smollm2-135m")
+    try:
+        catalog.find_part_files(entry)
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    model = jaxspec.load("smollm2-135m")
+    assert model.config.num_mtp_layers >= 1 and model.config.draft_vocab_size > 0
+    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": "How do I sort a list in Python?"}],
+                                              add_generation_prompt=True, tokenize=True, return_dict=False)
+    plain = jaxspec.generate(model, [ids], max_new_tokens=48)
+    out = jaxspec.generate(model, [ids], max_new_tokens=48, use_mtp=True)
+    np.testing.assert_array_equal(out.sequences, plain.sequences)
+    assert out.acceptance_rate > 0.3
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "generate.py")
+    spec = importlib.util.spec_from_file_location("generate_cli", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    assert cli.main(["--strategy", "mtp", "--max-new-tokens", "16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["draft_forwards"] > 0
