@@ -71,6 +71,7 @@ CATALOG: dict[str, CatalogEntry] = {
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             licence="Apache-2.0",
+            mtp_asset="smollm2-135m-mtp",  # 3 MTP layers trained by scripts/train_mtp.py (jaxspec/assets)
         ),
         CatalogEntry(
             name="qwen2.5-coder-0.5b",

@@ -1,10 +1,18 @@
-"""MTP decoding on a random DeepSeek-V3-shaped model: jaxspec `use_mtp=True` against jaxspec plain greedy and
-transformers' `generate(use_mtp=True)`, side by side in one run (CPU, float32, batch 1).
+"""MTP decoding (`use_mtp=True`), measured side by side in one run (CPU, float32, batch 1).
 
-    python scripts/bench_mtp.py [--max-new-tokens 32] [--repeats 2] [--layers 8] [--mtp-layers 1]
+    python scripts/bench_mtp.py [--model smollm2-135m] [--max-new-tokens 128] [--repeats 2] [--prompts 12]
+    python scripts/bench_mtp.py --model random-deepseek [--layers 8] [--mtp-layers 1]
 
-The MTP layers are random, so they rarely predict what the target will say: expect an acceptance rate near zero.
-The figures show what the MTP round costs over a plain step, not the speedup of a trained checkpoint.
+Default: a model with trained MTP layers (the catalogue's SmolLM2-135M with its shipped set, or any folder with
+MTP layers) on prompts that training never saw (jaxspec.train.prompts' held-out set, the prompts of
+scripts/bench.py, and the CLI's default prompt). For K = 1, 2 and 3 drafts per round, with the reduced draft
+vocabulary and with the full head, it prints tokens/s against plain greedy (all in one run, decode time only,
+compile reported apart), the acceptance rate, the acceptance per depth (draft j accepted, given drafts < j were),
+tokens per round and whether the output equals plain greedy; then what one draft step costs against one target
+step, with each head.
+
+`--model random-deepseek`: a random DeepSeek-V3-shaped model against transformers' `generate(use_mtp=True)`. Its
+MTP layers are random, so they accept almost nothing: the figures show what an MTP round costs over a plain step.
 """
 
 from __future__ import annotations
@@ -83,14 +91,7 @@ def time_transformers(model, ids, args, **kwargs):
     return args.max_new_tokens / statistics.median(seconds), out[0, len(ids):].numpy()
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--mtp-layers", type=int, default=1)
-    args = p.parse_args(argv)
-
+def bench_random_deepseek(args) -> None:
     import jax
     import torch
     import transformers
@@ -128,6 +129,187 @@ def main(argv=None) -> None:
     print(f"\njaxspec greedy tokens equal transformers' greedy tokens: {same}; jaxspec use_mtp tokens equal jaxspec "
           f"greedy: {bool((mtp.sequences == greedy.sequences).all())}. Random MTP layers accept little; a trained "
           "checkpoint's acceptance decides the real speedup.")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A model with trained MTP layers
+
+
+CLI_DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."  # scripts/generate.py's
+
+
+def heldout_prompts(tokenizer, count: int) -> list[tuple[str, list[int]]]:
+    """(label, ids): held-out training prompts (chat template or raw, as drawn), scripts/bench.py's prompts in the
+    chat template, and the CLI's default prompt as raw text; none of them was trained on."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _bench_prompts import PROMPTS
+
+    from jaxspec.train.data import encode_prompts
+    from jaxspec.train.prompts import Prompt, prompt_set
+
+    def encode(text: str, chat: bool) -> list[int]:
+        return encode_prompts(tokenizer, [Prompt(text, chat)], max_len=10**6)[0]
+
+    out = [(name, encode(text, chat=True)) for name, text in PROMPTS.items()]
+    out.append(("cli default", encode(CLI_DEFAULT_PROMPT, chat=False)))
+    for index, prompt in enumerate(prompt_set(heldout=True, stdlib_limit=64)):
+        if len(out) >= count:
+            break
+        ids = encode(prompt.text, prompt.chat)
+        if len(ids) <= 160:
+            out.append((f"held-out {index}", ids))
+    return out[:count]
+
+
+def per_depth_acceptance(hist: np.ndarray) -> list[float]:
+    """P(draft j accepted | drafts < j accepted) from the histogram of accepted counts per round [K+1]."""
+    reached = hist[::-1].cumsum()[::-1]  # rounds that accepted at least j drafts, j = 0..K
+    return [float(reached[j + 1] / reached[j]) if reached[j] else float("nan") for j in range(len(hist) - 1)]
+
+
+def time_draft_step(model, depths: int, iterations: int = 200) -> float:
+    """Seconds of one MTP draft step at batch 1 (one depth over a window of depths+1 entries, then the head on the
+    newest), as the drafter runs it."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(model.module)
+    size, window = 256, depths + 1
+
+    @jax.jit
+    def step(state, tokens, prev, positions, cache):
+        module = nnx.merge(graphdef, state)
+        out, _, cache = module.mtp_step(0, tokens, prev, positions, cache)
+        return getattr(module, "draft_logits", module.logits)(out[:, -1]).argmax(-1), cache
+
+    tokens = jnp.ones((1, window), jnp.int32)
+    prev = jnp.ones((1, window, model.config.hidden_size), model.module.dtype)
+    positions = jnp.arange(100, 100 + window)[None]
+    cache = model.module.init_mtp_cache(1, size)
+    return _time(lambda: step(state, tokens, prev, positions, cache), iterations)
+
+
+def time_target_step(model, iterations: int = 100) -> float:
+    """Seconds of one plain decoding forward at batch 1 (the target reads one token against a 256-entry cache)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(model.module)
+
+    @jax.jit
+    def step(state, tokens, positions, cache):
+        logits, _, cache = nnx.merge(graphdef, state)(tokens, positions, cache)
+        return logits.argmax(-1), cache
+
+    tokens, positions = jnp.ones((1, 1), jnp.int32), jnp.full((1, 1), 100)
+    cache = model.module.init_cache(1, 256)
+    return _time(lambda: step(state, tokens, positions, cache), iterations)
+
+
+def _time(fn, iterations: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(iterations):
+            out = fn()
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / iterations)
+    return best
+
+
+def bench_trained(args) -> None:
+    import jaxspec
+    from jaxspec.assets import strip_draft_vocab
+
+    model = jaxspec.load(args.model)
+    layers = getattr(model.module, "num_mtp_layers", 0)
+    if not layers:
+        raise SystemExit(f"{args.model} has no MTP layers (num_nextn_predict_layers is 0 or absent).")
+    has_vocab = bool(getattr(model.config, "draft_vocab_size", 0))
+    heads = {"draft vocab": model, "full head": strip_draft_vocab(model)} if has_vocab else {"full head": model}
+    prompts = heldout_prompts(model.tokenizer, args.prompts)
+    depths = [k for k in (1, 2, 3) if k <= max(layers, 1)] if not args.extra_drafts else [1, 2, 3]
+    configs = [("greedy", model, {})]
+    for k in depths:
+        for head, variant in heads.items():
+            configs.append((f"mtp K={k}, {head}", variant, dict(use_mtp=True, num_assistant_tokens=k)))
+
+    common = dict(max_new_tokens=args.max_new_tokens)
+    results = {name: {"seconds": 0.0, "tokens": 0, "hist": None, "compile": 0.0, "same": True, "drafted": 0,
+                      "accepted": 0} for name, _, _ in configs}
+    for label, ids in prompts:
+        plain = None
+        for name, variant, kwargs in configs:
+            runs = [jaxspec.generate(variant, [ids], **common, **kwargs) for _ in range(args.repeats + 1)]
+            timed = sorted(runs[1:], key=lambda r: r.decode_seconds)[len(runs[1:]) // 2]  # the median run
+            entry = results[name]
+            entry["compile"] += runs[0].compile_seconds
+            entry["seconds"] += timed.decode_seconds
+            entry["tokens"] += int(timed.num_new_tokens.sum())
+            if kwargs:
+                hist = timed.accepted_hist.sum(0)
+                entry["hist"] = hist if entry["hist"] is None else entry["hist"] + hist
+                entry["same"] &= bool((timed.sequences == plain.sequences).all())
+                entry["drafted"] += int(timed.drafted.sum())
+                entry["accepted"] += int(timed.accepted.sum())
+            else:
+                plain = timed
+        print(f"  {label}: {len(ids)} prompt tokens, {int(plain.num_new_tokens[0])} generated", flush=True)
+
+    greedy = results["greedy"]["tokens"] / results["greedy"]["seconds"]
+    print(f"\n# {args.model}: {layers} MTP layer(s)"
+          + (f", draft vocabulary of {model.config.draft_vocab_size}" if has_vocab else "")
+          + f"; {len(prompts)} held-out prompts, batch 1, up to {args.max_new_tokens} new tokens, CPU float32, "
+          f"median of {args.repeats}\n")
+    print("| strategy | tok/s | vs greedy | acceptance | per depth (1, 2, 3) | tokens per round | same as greedy |")
+    print("|---|---:|---:|---:|---|---:|---|")
+    for name, _, kwargs in configs:
+        entry = results[name]
+        rate = entry["tokens"] / entry["seconds"]
+        if not kwargs:
+            print(f"| {name} | {rate:.1f} | 1.00x | – | – | 1.00 | – |")
+            continue
+        hist = entry["hist"]
+        rounds = hist.sum()
+        depth = ", ".join(f"{x:.2f}" for x in per_depth_acceptance(hist))
+        print(f"| {name} | {rate:.1f} | {rate / greedy:.2f}x | {entry['accepted'] / entry['drafted']:.3f} | "
+              f"{depth} | {(entry['accepted'] + rounds) / rounds:.2f} | {entry['same']} |")
+    compile_total = sum(entry["compile"] for entry in results.values())
+    print(f"\nCompile time (apart from the figures): {compile_total:.0f}s over all runs. Acceptance: accepted / "
+          "drafted tokens; per depth: rounds that accepted at least j drafts / rounds that accepted at least j-1.")
+
+    target = time_target_step(model)
+    print("\n| one step at batch 1 | ms | vs a target step |")
+    print("|---|---:|---:|")
+    print(f"| target forward (plain decoding) | {target * 1e3:.2f} | 1.00 |")
+    for head, variant in heads.items():
+        draft = time_draft_step(variant, 1)
+        print(f"| MTP draft step (window 2), {head} | {draft * 1e3:.2f} | {draft / target:.3f} |")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m",
+                   help="catalogue name or folder with MTP layers, or random-deepseek")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (random-deepseek: 32)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=12, help="held-out prompts (trained model)")
+    p.add_argument("--extra-drafts", action="store_true",
+                   help="also K beyond the number of MTP layers (the last layer drafts the extra tokens)")
+    p.add_argument("--layers", type=int, default=8, help="random-deepseek: main layers")
+    p.add_argument("--mtp-layers", type=int, default=1, help="random-deepseek: MTP layers")
+    args = p.parse_args(argv)
+    if args.model == "random-deepseek":
+        args.max_new_tokens = args.max_new_tokens or 32
+        bench_random_deepseek(args)
+    else:
+        args.max_new_tokens = args.max_new_tokens or 128
+        bench_trained(args)
 
 
 if __name__ == "__main__":
