@@ -363,6 +363,20 @@ def test_shipped_asset_fits_smollm2():
     assert config["heldout"]["acceptance"]["1"]["acceptance_rate"] > 0.4
 
 
+def test_shipped_asset_is_package_data():
+    """A non-editable install carries every file of every shipped asset (pyproject's package-data patterns)."""
+    import fnmatch
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]["jaxspec.assets"]
+    assets = os.path.join(root, "jaxspec", "assets")
+    files = [os.path.relpath(os.path.join(d, n), assets) for d, _, names in os.walk(assets) for n in names
+             if d != assets and "__pycache__" not in d]
+    assert files and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in files), (files, patterns)
+
+
 @pytest.mark.slow
 def test_smollm2_decodes_with_its_shipped_layers(capsys):
     """`jaxspec.load("smollm2-135m")` has the shipped MTP layers; use_mtp equals plain greedy and accepts drafts;
