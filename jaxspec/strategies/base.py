@@ -131,7 +131,7 @@ class DraftLength:
     num_tokens: jax.Array  # [B] the row's draft length (constant, heuristic), or the adaptive schedule's last choice
     misses: jax.Array  # [B] adaptive: probes in a row that accepted nothing
     cooldown: jax.Array  # [B] adaptive: rounds until the next probe, while drafting does not pay
-    accepted: jax.Array  # [B] float, adaptive: decayed count of accepted drafts
+    accepted: jax.Array  # [B] float, adaptive: decayed count of accepted drafts (prior pseudo-counts included)
     judged: jax.Array  # [B] float, adaptive: decayed count of drafts verification judged (accepted or the rejected one)
 
 
@@ -144,13 +144,12 @@ def verify_widths(max_draft: int) -> tuple[int, ...]:
 
 def default_verify_costs(widths: tuple[int, ...]) -> tuple[float, ...]:
     """The cost of a verify block of each width, in plain decoding steps (width 1 = 1), as the adaptive schedule
-    assumes it. On a CPU a block of 2 or more tokens leaves the memory-bound matrix-vector path for a matrix
-    multiply that first packs its weights: measured on SmolLM2-135M and a 1.2B Gemma 4-shaped model (2 cores,
-    float32), 2 tokens cost about 1.45 steps, 8 tokens about 1.85. On accelerators a few extra tokens are nearly
-    free while decoding is memory-bound."""
-    if jax.default_backend() == "cpu":
-        return tuple(1.0 if w == 1 else 1.35 + 0.06 * w for w in widths)
-    return tuple(1.0 + 0.02 * (w - 1) for w in widths)
+    assumes it. On a CPU each extra token adds about 7%: `python scripts/bench_verify_width.py` on SmolLM2-135M
+    (2 idle cores, float32) gave 1.08 for 2 tokens, 1.22 for 4 and 1.51 for 8. (With the cores shared by another
+    job, 2 tokens cost up to 1.45: the matrix multiply suffers more than the matrix-vector path.) On accelerators a
+    few extra tokens are nearly free while decoding is memory-bound."""
+    per_token = 0.075 if jax.default_backend() == "cpu" else 0.02
+    return tuple(1.0 + per_token * (w - 1) for w in widths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,13 +183,15 @@ class Schedule:
 
     def init(self, batch: int, initial: jax.Array) -> DraftLength:
         zeros = jnp.zeros((batch,), jnp.int32)
+        # The prior enters as pseudo-counts that decay like evidence: a row that keeps missing drives its estimate
+        # to zero (a fixed prior would keep it above the break-even of cheap verify blocks forever).
+        prior = jnp.full((batch,), self.PRIOR_WEIGHT, jnp.float32)
         return DraftLength(num_tokens=jnp.full((batch,), initial, jnp.int32), misses=zeros, cooldown=zeros,
-                           accepted=jnp.zeros((batch,), jnp.float32), judged=jnp.zeros((batch,), jnp.float32))
+                           accepted=self.PRIOR_ACCEPTANCE * prior, judged=prior)
 
     def acceptance(self, state: DraftLength) -> jax.Array:
         """[B] each row's estimated probability that a draft is accepted."""
-        prior = self.PRIOR_ACCEPTANCE * self.PRIOR_WEIGHT
-        return (state.accepted + prior) / (state.judged + self.PRIOR_WEIGHT)
+        return state.accepted / state.judged
 
     def allowed(self, state: DraftLength) -> jax.Array:
         """[B] how many drafts each row may propose this round."""
