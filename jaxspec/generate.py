@@ -475,7 +475,8 @@ def prompt_rows(input_ids: Any, attention_mask: Any, pad_id: int, eos_ids: tuple
         raise ValueError(f"input_ids must have shape [batch, length]; got {ids.shape}.")
     if ids.shape[0] == 0:
         raise ValueError("input_ids has no rows.")
-    if attention_mask is None:
+    inferred = attention_mask is None
+    if inferred:
         if pad_id in ids and pad_id not in eos_ids:
             attention_mask = ids != pad_id
         else:
@@ -489,6 +490,12 @@ def prompt_rows(input_ids: Any, attention_mask: Any, pad_id: int, eos_ids: tuple
     for b in range(ids.shape[0]):
         real = np.flatnonzero(mask[b])
         if len(real) and real[-1] - real[0] + 1 != len(real):
+            if inferred:
+                raise ValueError(
+                    f"No attention_mask was given, so padding was inferred from pad_token_id={pad_id} (as "
+                    f"transformers does when it is not an EOS id), but row {b} holds that token between real tokens "
+                    "(a chat template's end-of-turn token, say). Pass attention_mask, or the rows as a list of "
+                    "token lists of different lengths.")
             raise ValueError(f"attention_mask row {b} has padding between real tokens; only left or right padding "
                              "is supported.")
         rows.append(ids[b, real])

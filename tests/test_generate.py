@@ -180,6 +180,7 @@ def test_sharded_equals_single_device(llama, shape):
         (dict(max_new_tokens=300), "exceeds the model's max_position_embeddings"),
         (dict(input_ids=[[5, 999]]), "outside the vocabulary"),
         (dict(attention_mask=[[1, 0, 1]]), "padding between real tokens"),
+        (dict(input_ids=[[5, 0, 7]], pad_token_id=0, eos_token_id=[]), "No attention_mask was given.*pad_token_id=0"),
         (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),
         (dict(do_sample=True, top_p=1.5), "top_p must be in"),
         (dict(do_sample=True, top_k=-1), "top_k must be an integer >= 0"),
