@@ -1,7 +1,8 @@
 """The fixed prompt set of scripts/bench.py: one user message per task, in the order the table aggregates them.
 
 Each task favours a different strategy: code editing repeats most of its prompt (prompt lookup's home ground),
-code completion is predictable for a small drafter, chat and summary are free text where drafts are accepted less.
+code completion is predictable for a small drafter, chat, summary and story are free text where drafts are accepted
+less (the story copies nothing from its prompt).
 """
 
 CODE_COMPLETION = '''Complete this Python function. Reply with the code only.
@@ -42,12 +43,17 @@ a symbolic sum, and spent four years restoring it with volunteer labour and a sm
 a café, a bicycle repair workshop and a room that local clubs can book for free, and the old trackbed has become \
 a footpath that links the town centre to the river.'''
 
+# Free text with nothing to copy: what a drafter that cannot predict must not slow down.
+STORY = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
 PROMPTS: dict[str, str] = {
     "code_completion": CODE_COMPLETION,
     "code_editing": CODE_EDITING,
     "chat": CHAT,
     "summary": SUMMARY,
+    "story": STORY,
 }
 
 # Lengths of the fixed random prompts used when no tokenizer is installed for a random model (same order).
-RANDOM_PROMPT_LENGTHS: dict[str, int] = {"code_completion": 60, "code_editing": 180, "chat": 40, "summary": 150}
+RANDOM_PROMPT_LENGTHS: dict[str, int] = {"code_completion": 60, "code_editing": 180, "chat": 40, "summary": 150,
+                                         "story": 30}

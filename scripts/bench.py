@@ -1,7 +1,8 @@
 """jaxspec against transformers on CPU, side by side in one run: a markdown table of tokens/s and their ratios.
 
     python scripts/bench.py [--models smollm2-135m,random-500m]
-        [--strategies greedy,speculative,speculative-self,prompt_lookup,early_exit]
+        [--strategies greedy,speculative,speculative-self,prompt_lookup,early_exit,universal]
+        [--universal-assistant smollm2-135m]
         [--max-new-tokens 64] [--repeats 3] [--threads T] [--out bench_out/] [--skip-hf]
         [--prompts code_completion,code_editing,chat,summary]
         [--num-assistant-tokens K] [--confidence-threshold C] [--schedule constant]
@@ -11,8 +12,11 @@ Models: any catalogue name (`jaxspec.catalog`; transformers loads the same GGUF 
 `random-500m` / `random-tiny`: random Llama configs built by transformers with a fixed seed, saved with
 `save_pretrained` and loaded from that folder by both libraries. Random models draft with a half-depth random
 assistant of the same vocabulary; `speculative-self` drafts with the target itself (every draft accepted: the
-ceiling of speculative decoding). Batch 1 and float32 everywhere; greedy decoding, so every strategy must give the
-plain greedy tokens.
+ceiling of speculative decoding). `universal` drafts with `--universal-assistant`, a catalogue model with another
+tokenizer (SmolLM2-135M for a Qwen target): jaxspec maps the vocabularies in its loop, transformers runs its
+universal assisted decoding with the same two tokenizers. Batch 1 and float32 everywhere; greedy decoding, so every
+strategy must give the plain greedy tokens. Besides the table over all prompts, a second table gives each
+strategy's speedup over its own library's greedy per prompt.
 
 Timing: each (library, model, strategy) runs the prompt set once untimed (jaxspec compiles there, reported in its
 own column), then `--repeats` (at least 3) timed passes; tokens/s is new tokens over the summed per-call seconds of a
@@ -61,7 +65,7 @@ from _bench_prompts import PROMPTS, RANDOM_PROMPT_LENGTHS
 # jax, torch, transformers and jaxspec are imported inside functions, never at module level: the thread setting
 # (CPU affinity, environment) must be in place before either runtime starts its thread pools.
 
-STRATEGIES = ("greedy", "speculative", "speculative-self", "prompt_lookup", "early_exit")
+STRATEGIES = ("greedy", "speculative", "speculative-self", "prompt_lookup", "early_exit", "universal")
 
 # Random Llama configs. 49152 is the SmolLM2 vocabulary, so its tokenizer's ids are valid prompts for them too.
 RANDOM_COMMON = dict(
@@ -84,6 +88,9 @@ PREFIX_LAYERS = 2
 
 # Catalogue targets with an installed same-tokenizer assistant (speculative decoding needs the same vocabulary).
 CATALOG_ASSISTANTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+
+# The default assistant of `universal` (an assistant with another tokenizer than the target's).
+UNIVERSAL_ASSISTANT = "smollm2-135m"
 
 # Source of prompt token ids for random models: the SmolLM2 tokenizer, when its package is installed.
 PROMPT_TOKENIZER_MODEL = "smollm2-135m"
@@ -113,6 +120,7 @@ class ModelSource:
     path: str  # a .gguf file or an HF folder
     assistant_path: str | None  # same-vocabulary drafter for `speculative`, if there is one
     num_layers: int
+    universal_path: str | None = None  # drafter with another tokenizer for `universal` (--universal-assistant)
 
 
 @dataclasses.dataclass
@@ -121,7 +129,8 @@ class Plan:
 
     strategy: str
     settings: str  # human-readable, for the table
-    drafter: str | None  # "assistant", "target" (self / early exit) or None: whose generation_config HF reads
+    # Whose generation_config HF reads: "assistant", "universal", "target" (self / early exit) or None.
+    drafter: str | None
     jaxspec_kwargs: dict[str, Any]
     hf_kwargs: dict[str, Any]
     draft_config: dict[str, Any] = dataclasses.field(default_factory=dict)  # jaxspec's generate() arguments
@@ -186,6 +195,14 @@ class Measurement:
     def mean_accepted_length(self) -> float:
         rounds = self.total("rounds")
         return self.total("round_tokens") / rounds if rounds else math.nan
+
+    def rate_by_prompt(self) -> dict[str, float]:
+        """Tokens/s of each prompt, the median over the timed passes."""
+        return {c.prompt: statistics.median(len(p[i].tokens) / p[i].seconds for p in self.passes)
+                for i, c in enumerate(self.passes[0])}
+
+    def acceptance_by_prompt(self) -> dict[str, float]:
+        return {c.prompt: c.accepted / c.drafted if c.drafted else math.nan for c in self.passes[0]}
 
     def tokens_by_prompt(self) -> dict[str, list[int]]:
         return {c.prompt: c.tokens for c in self.passes[0]}
@@ -297,7 +314,7 @@ def weight_bytes_per_token(module) -> tuple[int, int]:
 # Models and prompts
 
 
-def resolve_source(name: str, workdir: str) -> ModelSource:
+def resolve_source(name: str, workdir: str, universal_assistant: str | None = None) -> ModelSource:
     """Catalogue name -> its GGUF (and assistant's); random name -> target and assistant saved into `workdir`."""
     if name.endswith("-prefix") and name.removesuffix("-prefix") in RANDOM_MODELS:
         overrides = RANDOM_MODELS[name.removesuffix("-prefix")]
@@ -316,7 +333,13 @@ def resolve_source(name: str, workdir: str) -> ModelSource:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join([*RANDOM_MODELS, *catalog.CATALOG])}")
     path = catalog.resolve(name)
     assistant = catalog.resolve(CATALOG_ASSISTANTS[name]) if name in CATALOG_ASSISTANTS else None
-    return ModelSource(name, "catalog", path, assistant, read_gguf(path).hf_config["num_hidden_layers"])
+    universal = None
+    if universal_assistant and universal_assistant != name:
+        try:
+            universal = catalog.resolve(universal_assistant)
+        except FileNotFoundError:  # not installed: `universal` is skipped with a note
+            pass
+    return ModelSource(name, "catalog", path, assistant, read_gguf(path).hf_config["num_hidden_layers"], universal)
 
 
 def save_random_llama(folder: str, seed: int, overrides: dict[str, Any]) -> str:
@@ -414,6 +437,11 @@ def plan_for(strategy: str, source: ModelSource, s: DraftSettings) -> Plan | str
             return "no smaller checkpoint with the same tokenizer is installed"
         return Plan(strategy, f"{os.path.basename(source.assistant_path)} {draft_text}", "assistant", {}, {}, draft,
                     hf_draft)
+    if strategy == "universal":
+        if source.universal_path is None:
+            return "no assistant with another tokenizer (--universal-assistant) is installed"
+        return Plan(strategy, f"{os.path.basename(source.universal_path)} {draft_text}", "universal", {}, {}, draft,
+                    hf_draft)
     if strategy == "speculative-self":
         return Plan(strategy, f"target drafts {draft_text}", "target", {}, {}, draft, hf_draft)
     if strategy == "prompt_lookup":
@@ -454,12 +482,14 @@ def measure_all(model: str, calls: dict[tuple[str, str], CallFn], prompts: dict[
     return results
 
 
-def jaxspec_call(plan: Plan, target, assistant, eos: list[int], pad: int, max_new_tokens: int) -> CallFn:
+def jaxspec_call(plan: Plan, target, assistants: dict, eos: list[int], pad: int, max_new_tokens: int) -> CallFn:
+    """`assistants`: {"assistant": same-tokenizer drafter, "universal": drafter with another tokenizer}; a
+    universal assistant brings its own tokenizer, which jaxspec maps onto the target's."""
     import jaxspec
 
     kwargs = plan.jaxspec_kwargs | plan.draft_config
-    if plan.drafter == "assistant":
-        kwargs["assistant_model"] = assistant
+    if plan.drafter in ("assistant", "universal"):
+        kwargs["assistant_model"] = assistants[plan.drafter]
     elif plan.strategy == "speculative-self":
         kwargs["assistant_model"] = target
 
@@ -509,13 +539,17 @@ class HFTally:
         self.forwards += 1
 
 
-def hf_call(plan: Plan, target, assistant, tally: HFTally, eos: list[int], pad: int, max_new_tokens: int) -> CallFn:
+def hf_call(plan: Plan, target, assistants: dict, tally: HFTally, eos: list[int], pad: int,
+            max_new_tokens: int, tokenizers: tuple | None = None) -> CallFn:
+    """`tokenizers`: (target's, universal assistant's), for transformers' universal assisted decoding."""
     import torch
 
     kwargs = dict(plan.hf_kwargs)
-    drafting_model = {"assistant": assistant, "target": target, None: None}[plan.drafter]
-    if plan.strategy in ("speculative", "speculative-self"):
+    drafting_model = target if plan.drafter == "target" else assistants.get(plan.drafter)
+    if plan.strategy in ("speculative", "speculative-self", "universal"):
         kwargs["assistant_model"] = drafting_model
+    if plan.strategy == "universal":
+        kwargs["tokenizer"], kwargs["assistant_tokenizer"] = tokenizers
 
     def call(name: str, ids: np.ndarray) -> Call:
         if drafting_model is not None:
@@ -588,22 +622,26 @@ def bench_model(source: ModelSource, args, settings: DraftSettings, notes: list[
             notes.append(f"{source.name}: {strategy} skipped: {plan}")
         else:
             plans[strategy] = plan
-    needs_assistant = any(p.drafter == "assistant" for p in plans.values())
+    paths = {"assistant": source.assistant_path, "universal": source.universal_path}
+    drafters = {p.drafter for p in plans.values()} & set(paths)
 
     target = jaxspec.load(source.path, dtype="float32")  # explicit: the default is bfloat16 on accelerators
-    assistant = jaxspec.load(source.assistant_path, dtype="float32") if needs_assistant else None
+    assistants = {kind: jaxspec.load(paths[kind], dtype="float32") for kind in drafters}
     prompts = encode_prompts(prompt_tokenizer(source, target), target.config.vocab_size, args.prompts)
     eos = list(target.eos_token_ids())
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else (eos[0] if eos else 0)
     parameters, nbytes = weight_bytes_per_token(target.module)
-    calls = {("jaxspec", s): jaxspec_call(p, target, assistant, eos, pad, args.max_new_tokens)
+    calls = {("jaxspec", s): jaxspec_call(p, target, assistants, eos, pad, args.max_new_tokens)
              for s, p in plans.items()}
     if not args.skip_hf:
         # Both libraries stay loaded so that the timed passes can alternate between them.
         hf_target = load_hf(source.path)
-        hf_assistant = load_hf(source.assistant_path) if needs_assistant else None
+        hf_assistants = {kind: load_hf(paths[kind]) for kind in drafters}
         tally = HFTally(hf_target)
-        calls |= {("transformers", s): hf_call(p, hf_target, hf_assistant, tally, eos, pad, args.max_new_tokens)
+        # transformers' universal run gets the same tokenizers jaxspec built from the GGUF files.
+        tokenizers = (target.tokenizer, assistants["universal"].tokenizer) if "universal" in drafters else None
+        calls |= {("transformers", s): hf_call(p, hf_target, hf_assistants, tally, eos, pad, args.max_new_tokens,
+                                               tokenizers)
                   for s, p in plans.items()}
     results = measure_all(source.name, calls, prompts, args.repeats)
     return ModelRun(
@@ -693,7 +731,26 @@ def pair(a, b, spec: str = ".2f") -> str:
     return f"{fmt(a, spec)} / {fmt(b, spec)}"
 
 
-def markdown(rows: list[Row], rooflines: list[Roofline], header: list[str], notes: list[str]) -> str:
+def per_prompt_lines(model: str, jx: dict[str, Measurement], hf: dict[str, Measurement]) -> list[str]:
+    """Table rows: each strategy's speedup over its own library's greedy, per prompt (jaxspec / transformers), and
+    the acceptance per prompt."""
+    if "greedy" not in jx:
+        return []
+    greedy = {"jx": jx["greedy"].rate_by_prompt(), "hf": hf["greedy"].rate_by_prompt() if "greedy" in hf else {}}
+    lines = []
+    for strategy, m in jx.items():
+        if strategy == "greedy":
+            continue
+        mine, theirs = m.rate_by_prompt(), hf[strategy].rate_by_prompt() if strategy in hf else {}
+        accept, accept_hf = m.acceptance_by_prompt(), hf[strategy].acceptance_by_prompt() if strategy in hf else {}
+        cells = [f"{ratio(mine[p], greedy['jx'][p]):.2f} / {fmt(ratio(theirs.get(p), greedy['hf'].get(p)))} "
+                 f"(acc. {fmt(accept[p])} / {fmt(accept_hf.get(p))})" for p in mine]
+        lines.append(f"| {model} | {strategy} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown(rows: list[Row], rooflines: list[Roofline], header: list[str], notes: list[str],
+             per_prompt: list[str] = (), prompts: list[str] = ()) -> str:
     lines = header + [""]
     lines += [
         "| model | strategy | settings | jaxspec tok/s (range) | HF tok/s (range) | jaxspec / HF | jaxspec compile s "
@@ -720,6 +777,11 @@ def markdown(rows: list[Row], rooflines: list[Roofline], header: list[str], note
         "fewer per prompt for the same tokens. jx = HF greedy: prompts whose jaxspec tokens equal transformers' "
         "plain greedy tokens.",
     ]
+    if per_prompt:
+        lines += ["", "Speedup over the same library's plain greedy, per prompt, jaxspec / transformers (acceptance "
+                  "jaxspec / transformers):", "",
+                  "| model | strategy | " + " | ".join(prompts) + " |", "|---|---|" + "---:|" * len(prompts)]
+        lines += list(per_prompt)
     if rooflines:
         lines += [
             "",
@@ -828,6 +890,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--confidence-threshold", type=float, default=None,
                         help="assistant_confidence_threshold (default 0.4; 0 = off for random models)")
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
+    parser.add_argument("--universal-assistant", default=UNIVERSAL_ASSISTANT,
+                        help="catalogue model with another tokenizer, the drafter of `universal`")
     parser.add_argument("--early-exit", type=int, default=None, help="draft layers (default: num_layers // 2)")
     parser.add_argument("--bandwidth-mb", type=int, default=1024, help="matrix size of the bandwidth measurement")
     args = parser.parse_args(argv)
@@ -873,19 +937,21 @@ def main(argv=None) -> None:
         f"torch {env['torch']}; prompts: {', '.join(args.prompts)}. Read bandwidth {bandwidth:.1f} GB/s.",
     ]
     rows: list[Row] = []
+    per_prompt: list[str] = []
     rooflines: list[Roofline] = []
     models: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="jaxspec-bench-") as workdir:
         for name in args.models:
             print(f"{name}:", file=sys.stderr)
             try:
-                source = resolve_source(name, workdir)
+                source = resolve_source(name, workdir, args.universal_assistant)
             except (FileNotFoundError, KeyError, ValueError) as error:
                 notes.append(f"{name}: skipped: {error}")
                 continue
             settings = draft_settings(args, source)
             run = bench_model(source, args, settings, notes)
             rows += build_rows(name, run.jaxspec, run.hf, run.plans)
+            per_prompt += per_prompt_lines(name, run.jaxspec, run.hf)
             notes += losslessness_notes(name, run.jaxspec, run.hf)
             rooflines.append(roofline(name, run, bandwidth))
             models.append({
@@ -902,7 +968,7 @@ def main(argv=None) -> None:
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     if not has_matplotlib:
         notes.append("matplotlib is not installed: no chart written")
-    report = markdown(rows, rooflines, header, notes)
+    report = markdown(rows, rooflines, header, notes, per_prompt, args.prompts)
     print(report)
     with open(os.path.join(args.out, "bench.md"), "w", encoding="utf-8") as handle:
         handle.write(report)

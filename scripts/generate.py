@@ -2,6 +2,7 @@
 
     python scripts/generate.py --prompt "Write a haiku about JAX" --max-new-tokens 64
     python scripts/generate.py --model qwen2.5-coder-1.5b --strategy speculative --assistant qwen2.5-coder-0.5b
+    python scripts/generate.py --model qwen2.5-coder-0.5b --strategy speculative --assistant smollm2-135m
     python scripts/generate.py --model PATH --strategy prompt_lookup --prompt-lookup-num-tokens 10 --json
     python scripts/generate.py --model DEEPSEEK_OR_GLM_FOLDER --strategy mtp
     python scripts/generate.py --model GEMMA4_FOLDER --strategy mtp --assistant GEMMA4_ASSISTANT_FOLDER
@@ -49,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-stream", action="store_true", help="print the text at the end instead of as it is made")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--dtype", default=None, help="parameter dtype (default: float32 on CPU, bfloat16 elsewhere)")
-    p.add_argument("--assistant", default=None, help="assistant model for --strategy speculative, or a Gemma 4 MTP "
+    p.add_argument("--assistant", default=None, help="assistant model for --strategy speculative (with another tokenizer "
+                                                     "it runs universal assisted decoding), or a Gemma 4 MTP "
                                                      "drafter for --strategy mtp (without it, mtp uses the "
                                                      "checkpoint's own MTP layers)")
     p.add_argument("--num-assistant-tokens", type=int, default=None)

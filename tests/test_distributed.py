@@ -169,8 +169,11 @@ def test_each_process_holds_only_its_shards_while_loading(tmp_path):
     memory too) plus 32 MiB. A process that passed the whole checkpoint through its memory would exceed both."""
     size = write_big_deepseek(str(tmp_path / "big"))
     results = collect(launch(str(tmp_path / "big"), str(tmp_path / "rss"), 4, 1, "1,1,4", "--rss"))
-    for info, _ in results:
+    for index, (info, _) in enumerate(results):
         growth = info["peak_rss"] - info["rss_before_load"]
+        print(f"process {index}: resident memory grew by {growth / 2**20:.0f} MiB while loading, "
+              f"{growth / size:.2f}x the {size / 2**20:.0f} MiB checkpoint (its params: "
+              f"{info['local_param_bytes'] / size:.2f}x)")  # shown with pytest -s
         assert info["local_param_bytes"] < 0.3 * size
         assert growth < 0.5 * size, (growth, size, info)
         assert growth < info["local_param_bytes"] + 2 * info["largest_box_bytes"] + (32 << 20), (growth, info)

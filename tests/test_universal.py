@@ -357,3 +357,20 @@ def test_sampling_is_exact(folders, loaded):
     new = out.sequences[:, len(prompt):]
     for i in range(3):
         assert oracles.goodness_of_fit(new[:, i], exact[i]) > 1e-3, i
+
+
+def test_cli_assistant_with_another_tokenizer(folders, capsys, monkeypatch):
+    """`--strategy speculative --assistant` with another tokenizer runs universal decoding, greedy-identical."""
+    import importlib.util
+    import os
+
+    monkeypatch.setenv("JAXSPEC_COMPILATION_CACHE", "off")
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "generate.py")
+    spec = importlib.util.spec_from_file_location("generate_cli", script)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    assert cli.main(["--model", folders["byte_level"], "--assistant", folders["sentencepiece"], "--strategy",
+                     "speculative", "--prompt", PROMPTS[0], "--max-new-tokens", "12", "--json",
+                     "--compare-plain"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["strategy"] == "universal" and report["same_tokens_as_plain"] is True
