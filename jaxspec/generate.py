@@ -187,7 +187,8 @@ def generate(
     `on_tokens(rows)` is called with each row's newly committed tokens (a list of int32 arrays, possibly empty)
     for any batch. `stop_strings` end a row at the token that completes one (decoded with `tokenizer`, default the
     model's); `max_time` (seconds) ends the call after the round in progress. These run the same compiled loop
-    `rounds_per_dispatch` rounds at a time (default STREAM_ROUNDS) and check between dispatches.
+    `rounds_per_dispatch` rounds at a time (default: as many as fill about STREAM_INTERVAL = 0.1 s) and check
+    between dispatches.
 
     `return_logits=True` also returns, for every new token, the processed target logits it was chosen from
     (`GenerateOutput.logits`, [B, N, V]); it compiles its own loop, which keeps them.
@@ -288,15 +289,18 @@ def run_drafter(
         # The same executable, a few rounds per dispatch; the state stays on the device between dispatches and
         # the host reads only lengths and the token buffer.
         control.begin(prompts, prompt_lengths, deadline_from=started)
-        per_dispatch = jnp.asarray(control.rounds_per_dispatch, jnp.int32)
+        per_dispatch, dispatched = control.rounds_per_dispatch or 1, None
         while True:
             tokens, lengths, done = distributed.fetch((state.tokens, state.lengths, state.done))
+            if dispatched is not None and control.rounds_per_dispatch is None:
+                per_dispatch = rounds_for_interval(per_dispatch, time.perf_counter() - dispatched)
             stop = control.after_dispatch(tokens, lengths)
             if (done | stop).all() or control.out_of_time():
                 break
             if stop.any():
                 state = dataclasses.replace(state, done=_place(done | stop, mesh, rules))
-            state = rounds(target_state, assistant_state, state, inputs, per_dispatch)
+            dispatched = time.perf_counter()
+            state = rounds(target_state, assistant_state, state, inputs, jnp.asarray(per_dispatch, jnp.int32))
         control.finish()
     decode_seconds = time.perf_counter() - start
     final = distributed.fetch((state.tokens, state.lengths, state.counters, drafter.summary(state.drafter),
@@ -306,7 +310,19 @@ def run_drafter(
     return control.crop(output, input_ids, prompts, settings.pad_id)
 
 
-STREAM_ROUNDS = 1  # rounds per dispatch when the host watches the output (streaming, stop strings, max_time)
+# When the host watches the output (streaming, stop strings, max_time), each dispatch runs as many rounds as fill
+# about STREAM_INTERVAL seconds, judged from the previous dispatch: every dispatch costs a host round trip (a few
+# ms), which one round per dispatch would pay per token. Text still appears several times a second, and a stop
+# string or max_time is noticed within that interval (tokens past a stop string are cropped, never returned).
+STREAM_INTERVAL = 0.1
+MAX_STREAM_ROUNDS = 64
+
+
+def rounds_for_interval(rounds: int, seconds: float, interval: float = STREAM_INTERVAL) -> int:
+    """Rounds for the next dispatch, from the last one's `rounds` and its wall time `seconds`."""
+    if seconds <= 0:
+        return min(2 * rounds, MAX_STREAM_ROUNDS)
+    return int(np.clip(round(rounds * interval / seconds), 1, MAX_STREAM_ROUNDS))
 
 
 @dataclasses.dataclass
@@ -323,7 +339,7 @@ class HostControl:
     max_time: float | None = None
     streamer: Any = None
     on_tokens: Callable[[list[np.ndarray]], None] | None = None
-    rounds_per_dispatch: int = STREAM_ROUNDS
+    rounds_per_dispatch: int | None = None  # None: about STREAM_INTERVAL seconds of rounds per dispatch
     tokenizer: Any = None
 
     @classmethod
@@ -343,7 +359,7 @@ class HostControl:
         if rounds_per_dispatch is not None and (isinstance(rounds_per_dispatch, bool) or
                                                 not isinstance(rounds_per_dispatch, int) or rounds_per_dispatch < 1):
             raise ValueError(f"rounds_per_dispatch must be an integer >= 1, got {rounds_per_dispatch!r}.")
-        return cls(stop_strings, max_time, streamer, on_tokens, rounds_per_dispatch or STREAM_ROUNDS, tokenizer)
+        return cls(stop_strings, max_time, streamer, on_tokens, rounds_per_dispatch, tokenizer)
 
     @property
     def active(self) -> bool:

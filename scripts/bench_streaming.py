@@ -4,9 +4,9 @@ a buffer) and with an `on_tokens` callback, side by side in one run, per strateg
     python scripts/bench_streaming.py [--model smollm2-135m] [--max-new-tokens 128] [--repeats 5]
         [--rounds-per-dispatch N]
 
-A streamed call runs the compiled loop for `rounds_per_dispatch` rounds at a time (default
-`jaxspec.generate.STREAM_ROUNDS`), hands the new tokens to the host, and dispatches again; the figures are the
-wall time of the whole call (median of `--repeats`, after an untimed call that compiles), so they include every
+A streamed call runs the compiled loop for `rounds_per_dispatch` rounds at a time (default: as many as fill
+`jaxspec.generate.STREAM_INTERVAL` seconds), hands the new tokens to the host, and dispatches again; the figures are
+the wall time of the whole call (median of `--repeats`, after an untimed call that compiles), so they include every
 host round trip and the detokenisation of TextStreamer.
 """
 
@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     from transformers import TextStreamer
 
     import jaxspec
-    from jaxspec.generate import STREAM_ROUNDS
+    from jaxspec.generate import STREAM_INTERVAL
 
     model = jaxspec.load(args.model)
     ids = model.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
@@ -55,8 +55,9 @@ def main(argv=None) -> None:
             out = jaxspec.generate(model, [ids], [[1] * len(ids)], **common, **kwargs)
         return time.perf_counter() - start - out.compile_seconds
 
-    print(f"# streaming overhead: {args.model}, batch 1, {args.max_new_tokens} new tokens, rounds per dispatch "
-          f"{args.rounds_per_dispatch or STREAM_ROUNDS}, median of {args.repeats} (whole call, compile apart)\n")
+    dispatch = args.rounds_per_dispatch or f"about {STREAM_INTERVAL} s of rounds (the default)"
+    print(f"# streaming overhead: {args.model}, batch 1, {args.max_new_tokens} new tokens, per dispatch {dispatch}, "
+          f"median of {args.repeats} (whole call, compile apart)\n")
     print("| strategy | no streamer (s) | TextStreamer (s) | on_tokens (s) | TextStreamer / none | on_tokens / none |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, strategy in STRATEGIES.items():

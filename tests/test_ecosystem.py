@@ -176,6 +176,16 @@ def test_stop_strings_end_at_the_completing_token(byte_level, strategy):
         assert fired == [False] * (n - 1) + [n < N]
 
 
+def test_default_dispatch_lasts_about_the_stream_interval():
+    from jaxspec.generate import MAX_STREAM_ROUNDS, STREAM_INTERVAL, rounds_for_interval
+
+    assert STREAM_INTERVAL == 0.1
+    assert rounds_for_interval(1, 0.01) == 10  # 10 ms rounds: 10 of them fill the interval
+    assert rounds_for_interval(10, 0.5) == 2  # a dispatch that took too long runs fewer rounds next
+    assert rounds_for_interval(1, 2.0) == 1  # rounds slower than the interval: one per dispatch
+    assert rounds_for_interval(32, 1e-4) == rounds_for_interval(32, 0.0) == MAX_STREAM_ROUNDS
+
+
 def test_max_time_ends_the_call(models):
     target, _ = models
     out = jaxspec.generate(target, ROWS, max_new_tokens=200, eos_token_id=[], max_time=1e-6)
@@ -185,12 +195,15 @@ def test_max_time_ends_the_call(models):
 # -- streaming -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", [{}, dict(prompt_lookup_num_tokens=4)])
-def test_streamed_chunks_add_up_to_the_output(models, strategy):
+@pytest.mark.parametrize("strategy, per_dispatch", [({}, 1), (dict(prompt_lookup_num_tokens=4), 1), ({}, None)])
+def test_streamed_chunks_add_up_to_the_output(models, strategy, per_dispatch):
+    """With one round per dispatch there are several chunks (a tiny model's rounds are so fast that the default,
+    0.1 s of rounds per dispatch, may send them all at once); either way the chunks are the output."""
     target, _ = models
     chunks = []
-    out = jaxspec.generate(target, ROWS, max_new_tokens=N, eos_token_id=[], on_tokens=chunks.append, **strategy)
-    assert len(chunks) > 3
+    out = jaxspec.generate(target, ROWS, max_new_tokens=N, eos_token_id=[], on_tokens=chunks.append,
+                           rounds_per_dispatch=per_dispatch, **strategy)
+    assert len(chunks) > 3 if per_dispatch == 1 else len(chunks) >= 1
     for row in range(len(ROWS)):
         streamed = np.concatenate([c[row] for c in chunks])
         np.testing.assert_array_equal(streamed, out.sequences[row, len(ROWS[row]):])
