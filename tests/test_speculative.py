@@ -132,7 +132,7 @@ def run_schedule(schedule, copies, cap=7):
     return allowed
 
 
-CPU_COSTS = dict(widths=(1, 2, 4, 8), verify_costs=(1.0, 1.47, 1.59, 1.83))
+CPU_COSTS = dict(widths=(1, 2, 4, 8), verify_costs=(1.0, 1.075, 1.225, 1.525))  # default_verify_costs on a CPU
 
 
 def test_adaptive_schedule_drafts_what_pays():
@@ -142,14 +142,19 @@ def test_adaptive_schedule_drafts_what_pays():
     free = Schedule("adaptive", draft_cost=0.0, **CPU_COSTS)
     allowed = run_schedule(free, [True] * 4 + [False] * 60 + [True] * 40)
     assert allowed[:4] == [3, 7, 7, 7]  # the prior (0.6) pays for 3 drafts; full acceptance makes K pay
-    idle = allowed[4:64]
-    probes = np.flatnonzero(idle[15:])
-    assert (np.array(idle[15:])[probes] == 1).all() and len(probes) <= 4  # it stops drafting but for probes ...
+    idle = np.array(allowed[4:64])
+    probes = np.flatnonzero(idle[20:])  # once the estimate has decayed (cheap blocks keep one draft paying a while)
+    assert (idle[20:][probes] == 1).all() and len(probes) <= 5 and (idle[30:] > 0).sum() <= 3  # probes only ...
     assert np.diff(probes).tolist() == sorted(np.diff(probes).tolist()) and max(np.diff(probes)) >= 16  # backing off
     assert allowed[-1] == 7  # a probe hit once the text copied again, and blocks grew back
     costly = Schedule("adaptive", draft_cost=0.5, **CPU_COSTS)
     assert run_schedule(costly, [False])[0] == 1 and run_schedule(free, [False])[0] == 3
     assert run_schedule(costly, [True] * 6)[-1] > 1  # hits make even an expensive drafter pay
+    # A probe of the costly drafter costs 0.575 plain steps (0.075 for the free one): it probes 6 times less often.
+    assert (free.probe_spacing, costly.probe_spacing) == (1, 6)
+    idle_free, idle_costly = (np.array(run_schedule(s, [False] * 200)[20:]) for s in (free, costly))
+    assert 0 < (idle_costly > 0).sum() < (idle_free > 0).sum()
+    assert (idle_costly > 0).sum() * 0.575 / len(idle_costly) < 0.02  # idle probing costs it under 2%
 
 
 def test_heuristic_schedule_follows_transformers_rule():

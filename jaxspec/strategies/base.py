@@ -13,6 +13,7 @@ A strategy is a drafter: a frozen dataclass of static settings with pure functio
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -161,9 +162,9 @@ class Schedule:
       that maximises expected tokens per cost: a block of d drafts commits (1 - a^(d+1)) / (1 - a) tokens on average
       and costs `verify_costs` of its width plus `draft_cost` per draft (drafting-model steps, in target steps). When
       no length beats a plain step, the row does not draft, except for a one-draft probe after 1, 2, 4, ... up to
-      MAX_COOLDOWN rounds (doubling while probes miss), so that text which starts to repeat is noticed. On text the
-      drafter cannot predict, drafting therefore costs one probe every ~33 rounds; on text it predicts, rows draft
-      the longest block that pays.
+      MAX_COOLDOWN rounds (doubling while probes miss; `probe_spacing` times longer for drafters whose probe costs
+      more), so that text which starts to repeat is noticed. On text the drafter cannot predict, drafting therefore
+      costs one cheap probe every ~33 rounds; on text it predicts, rows draft the length that pays best.
     - "constant": always K (HF's default for assistants, and what HF's prompt lookup does).
     - "heuristic" / "heuristic_transient": HF's rule, +2 after a round in which every draft was accepted (a round
       without drafts counts, as in HF), else -1, never below 1, capped by K.
@@ -180,6 +181,7 @@ class Schedule:
     PRIOR_ACCEPTANCE = 0.6  # before any evidence, a row assumes this acceptance ...
     PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
     DECAY = 0.8  # evidence from each earlier drafting round counts this much less
+    PROBE_UNIT = 0.1  # probes that cost up to this (in plain steps) back off 1, 2, 4, ... MAX_COOLDOWN rounds
 
     def init(self, batch: int, initial: jax.Array) -> DraftLength:
         zeros = jnp.zeros((batch,), jnp.int32)
@@ -188,6 +190,16 @@ class Schedule:
         prior = jnp.full((batch,), self.PRIOR_WEIGHT, jnp.float32)
         return DraftLength(num_tokens=jnp.full((batch,), initial, jnp.int32), misses=zeros, cooldown=zeros,
                            accepted=self.PRIOR_ACCEPTANCE * prior, judged=prior)
+
+    @property
+    def probe_spacing(self) -> int:
+        """How many times longer than 1, 2, 4, ... rounds a row waits between probes: a probe that costs more than
+        PROBE_UNIT of a plain step (a draft plus a two-token verify block) comes that many times less often, so
+        that idle probing stays within a few percent for any drafter."""
+        if 2 not in self.widths:
+            return 1
+        probe_cost = self.verify_costs[self.widths.index(2)] - 1 + self.draft_cost
+        return max(1, math.ceil(probe_cost / self.PROBE_UNIT - 1e-9))
 
     def acceptance(self, state: DraftLength) -> jax.Array:
         """[B] each row's estimated probability that a draft is accepted."""
@@ -221,7 +233,7 @@ class Schedule:
         probed = tried & (result.drafted == 1) & (state.cooldown == 0)  # only a probe can draft one while idle
         missed = probed & (result.accepted == 0)
         misses = jnp.where(missed, state.misses + 1, jnp.where(tried & (result.accepted > 0), 0, state.misses))
-        backoff = jnp.minimum(jnp.left_shift(1, jnp.clip(misses - 1, 0, 8)), MAX_COOLDOWN)
+        backoff = jnp.minimum(jnp.left_shift(1, jnp.clip(misses - 1, 0, 8)), MAX_COOLDOWN) * self.probe_spacing
         cooldown = jnp.where(missed, backoff,
                              jnp.where(active & ~tried, jnp.maximum(state.cooldown - 1, 0), state.cooldown))
         num_tokens = jnp.where(tried, result.drafted, state.num_tokens)
