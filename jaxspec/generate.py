@@ -471,18 +471,18 @@ def _place(x: np.ndarray, mesh: Mesh | None, rules: ShardingRules) -> jax.Array:
 
 
 def prompt_rows(input_ids: Any, attention_mask: Any, pad_id: int, eos_ids: tuple[int, ...]) -> list[np.ndarray]:
-    """Each row's real tokens. Rows may be left- or right-padded (mask zeros at one end), or a ragged list.
+    """Each row's real tokens. Rows may be left- or right-padded (mask zeros at one end), or a list of rows.
 
-    Without a mask, HF infers one from the pad id when the inputs contain it and it is not an EOS id
-    (`_prepare_attention_mask_for_generation`); so does jaxspec.
+    Without a mask, an array of ids gets one inferred from the pad id when the ids contain it and it is not an EOS
+    id, as HF does (`_prepare_attention_mask_for_generation`). A list of rows without a mask is taken as it is,
+    each row exactly its tokens: a chat template's end-of-turn token is often the pad token too.
     """
     if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, np.ndarray)):
         if attention_mask is None:
             rows = [np.asarray(r, np.int64) for r in input_ids]
             if any(r.ndim != 1 for r in rows):
                 raise ValueError("input_ids rows must be 1-D sequences of token ids.")
-            if len({len(r) for r in rows}) > 1:
-                return _checked_rows(rows)  # a ragged list: each row is exactly its tokens
+            return _checked_rows(rows)
         input_ids = np.asarray(input_ids)
     ids = np.asarray(input_ids)
     if ids.ndim == 1:
@@ -511,7 +511,7 @@ def prompt_rows(input_ids: Any, attention_mask: Any, pad_id: int, eos_ids: tuple
                     f"No attention_mask was given, so padding was inferred from pad_token_id={pad_id} (as "
                     f"transformers does when it is not an EOS id), but row {b} holds that token between real tokens "
                     "(a chat template's end-of-turn token, say). Pass attention_mask, or the rows as a list of "
-                    "token lists of different lengths.")
+                    "token lists.")
             raise ValueError(f"attention_mask row {b} has padding between real tokens; only left or right padding "
                              "is supported.")
         rows.append(ids[b, real])

@@ -114,6 +114,12 @@ def test_attention_mask_is_inferred_from_pad_tokens_as_hf_does(tiny_llama_dir, l
     np.testing.assert_array_equal(inferred.sequences, with_mask.sequences)
     expected = hf_models.load_hf(tiny_llama_dir).generate(torch.tensor(ids), max_new_tokens=10, do_sample=False)
     np.testing.assert_array_equal(inferred.sequences, expected.numpy())
+    # A list of rows is taken as it is: a pad id inside a row (an end-of-turn token, say) is a real token.
+    row = [5, 0, 7]
+    listed = jaxspec.generate(llama, [row], max_new_tokens=4, pad_token_id=0, eos_token_id=[])
+    np.testing.assert_array_equal(listed.sequences,
+                                  jaxspec.generate(llama, np.array([row]), np.ones((1, 3)), max_new_tokens=4,
+                                                   pad_token_id=0, eos_token_id=[]).sequences)
 
 
 def test_generation_config_supplies_the_defaults(tiny_llama_dir):
@@ -180,7 +186,8 @@ def test_sharded_equals_single_device(llama, shape):
         (dict(max_new_tokens=300), "exceeds the model's max_position_embeddings"),
         (dict(input_ids=[[5, 999]]), "outside the vocabulary"),
         (dict(attention_mask=[[1, 0, 1]]), "padding between real tokens"),
-        (dict(input_ids=[[5, 0, 7]], pad_token_id=0, eos_token_id=[]), "No attention_mask was given.*pad_token_id=0"),
+        (dict(input_ids=np.array([[5, 0, 7]]), pad_token_id=0, eos_token_id=[]),
+         "No attention_mask was given.*pad_token_id=0"),
         (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),
         (dict(do_sample=True, top_p=1.5), "top_p must be in"),
         (dict(do_sample=True, top_k=-1), "top_k must be an integer >= 0"),
