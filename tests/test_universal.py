@@ -75,7 +75,11 @@ def sentencepiece_tokenizer():
     chars = sorted({c for text in CORPUS for c in text if not c.isspace()})
     pieces = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"] + [f"<0x{b:02X}>" for b in range(256)]
     pieces += [vm.SPACE] + chars
-    grown = sorted({p[:i] for w in words for p in (vm.SPACE + w, w) for i in range(2, len(p) + 1)}, key=len)
+    # Merge ranks: word-initial pieces (with `▁`) first, then by length, then by text. A total order keeps the
+    # tokenization the same in every process (set order follows the string hash seed), and building each word from
+    # its start makes `▁Hello` one token.
+    grown = sorted({p[:i] for w in words for p in (vm.SPACE + w, w) for i in range(2, len(p) + 1)},
+                   key=lambda p: (not p.startswith(vm.SPACE), len(p), p))
     pieces = list(dict.fromkeys(pieces + grown))
     vocab = {p: i for i, p in enumerate(pieces)}
     merges = [(p[:-1], p[-1]) for p in grown]
