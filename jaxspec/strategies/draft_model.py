@@ -121,7 +121,8 @@ class DraftModelDrafter(AutoregressiveDrafter):
         limit = self.draft_limit(loop, state.length)
 
         def run(state: DraftModelState):
-            logits, cache, catch_up_forwards = self._catch_up(ctx, loop, state)
+            logits, cache, catch_up_forwards = catch_up(ctx.assistant, loop.tokens, state.synced, loop.lengths,
+                                                        state.cache, (STEADY_CATCH_UP, self.catch_up_width))
 
             def feed(cache, token, positions, slot):
                 logits, _, cache = assistant(token[:, None], positions, cache)
@@ -139,35 +140,6 @@ class DraftModelDrafter(AutoregressiveDrafter):
         draft, state, forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, state)
         return draft, state, forwards, loop.cache
 
-    def _catch_up(self, ctx: Context, loop: DecodeState, state: DraftModelState):
-        """Feed committed tokens [synced, L) to the assistant: -> (logits at position L-1 [B, V], cache, forwards)."""
-        assistant, lengths = ctx.assistant, loop.lengths
-        batch, size = loop.tokens.shape
-        rows = jnp.arange(batch)
-
-        def chunk(width: int):
-            def run(carry):
-                cache, synced, last_logits = carry
-                positions = synced[:, None] + jnp.arange(width)[None, :]  # [B, W]
-                tokens = jnp.take_along_axis(loop.tokens, jnp.clip(positions, 0, size - 1), axis=1)
-                logits, _, cache = assistant(tokens, positions, cache)
-                has_last = (lengths - 1 >= synced) & (lengths - 1 < synced + width)
-                last = logits[rows, jnp.clip(lengths - 1 - synced, 0, width - 1)]
-                return cache, jnp.minimum(synced + width, lengths), jnp.where(has_last[:, None], last, last_logits)
-
-            return run
-
-        def body(carry):
-            forwards, *inner = carry
-            far_behind = jnp.max(lengths - inner[1]) > STEADY_CATCH_UP
-            inner = jax.lax.cond(far_behind, chunk(self.catch_up_width), chunk(STEADY_CATCH_UP), tuple(inner))
-            return (forwards + 1, *inner)
-
-        vocab = ctx.target.cfg.vocab_size
-        start = (jnp.zeros((), jnp.int32), state.cache, state.synced, jnp.zeros((batch, vocab), jnp.float32))
-        forwards, cache, _, logits = jax.lax.while_loop(lambda c: jnp.any(c[2] < lengths), body, start)
-        return logits, cache, forwards
-
     def update(self, ctx: Context, state: DraftModelState, result: RoundResult) -> DraftModelState:
         # The entry at the new L-1 holds a rejected draft (or nothing): only positions below it stay valid.
         synced = jnp.minimum(state.synced, result.lengths - 1)
@@ -175,3 +147,38 @@ class DraftModelDrafter(AutoregressiveDrafter):
 
     def summary(self, state: DraftModelState) -> dict[str, jax.Array]:
         return {"num_assistant_tokens": state.length.num_tokens}
+
+
+def catch_up(assistant, tokens: jax.Array, synced: jax.Array, lengths: jax.Array, cache, widths: tuple[int, ...]):
+    """Feed `tokens` [B, S] at positions [synced, lengths) to `assistant`, whose cache holds [0, synced):
+    -> (its logits at position lengths - 1 [B, V], cache, forwards).
+
+    Each step runs a block of the narrowest width in `widths` (ascending) that covers the row furthest behind, or
+    the last width when it is further behind than that; rows that are done rewrite their entries at or past their
+    length, which the position-indexed cache overwrites before any query reads them.
+    """
+    batch, size = tokens.shape
+    rows = jnp.arange(batch)
+
+    def block(width: int):
+        def run(carry):
+            cache, synced, last_logits = carry
+            positions = synced[:, None] + jnp.arange(width)[None, :]  # [B, W]
+            block_tokens = jnp.take_along_axis(tokens, jnp.clip(positions, 0, size - 1), axis=1)
+            logits, _, cache = assistant(block_tokens, positions, cache)
+            has_last = (lengths - 1 >= synced) & (lengths - 1 < synced + width)
+            last = logits[rows, jnp.clip(lengths - 1 - synced, 0, width - 1)]
+            return cache, jnp.minimum(synced + width, lengths), jnp.where(has_last[:, None], last, last_logits)
+
+        return run
+
+    def body(carry):
+        forwards, *inner = carry
+        behind = jnp.max(lengths - inner[1])
+        index = jnp.minimum(jnp.searchsorted(jnp.asarray(widths[:-1]), behind), len(widths) - 1)
+        inner = jax.lax.switch(index, [block(w) for w in widths], tuple(inner))
+        return (forwards + 1, *inner)
+
+    start = (jnp.zeros((), jnp.int32), cache, synced, jnp.zeros((batch, assistant.cfg.vocab_size), jnp.float32))
+    forwards, cache, _, logits = jax.lax.while_loop(lambda c: jnp.any(c[2] < lengths), body, start)
+    return logits, cache, forwards

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..vocab_map import VocabMap, same_vocabulary, vocab_map
 from .base import Context, DecodeState, DraftLength, RoundResult
-from .draft_model import AutoregressiveDrafter
+from .draft_model import AutoregressiveDrafter, catch_up
 
 CATCH_UP_WIDTHS = (2, 8)  # block widths of the catch-up after a round; the prefill chunk width when far behind
 MIN_ASSISTANT_BUFFER = 256
@@ -127,7 +127,8 @@ class UniversalDrafter(AutoregressiveDrafter):
         def run(state: UniversalState):
             # Rows that cannot draft any more are not caught up.
             target_length = jnp.where(fits, state.length, state.synced)
-            logits, cache, catch_up_forwards = self._catch_up(ctx, state, target_length)
+            logits, cache, catch_up_forwards = catch_up(ctx.assistant, state.tokens, state.synced, target_length,
+                                                        state.cache, (*CATCH_UP_WIDTHS, self.catch_up_width))
 
             def feed(cache, token, positions, slot):  # draft `slot` sits at assistant position length - 1 + slot
                 positions = (state.length - 1 + slot)[:, None]
@@ -166,39 +167,6 @@ class UniversalDrafter(AutoregressiveDrafter):
         rows = jnp.arange(batch)[:, None, None]
         buffer = state.tokens.at[rows, at].set(ids, mode="drop")
         return dataclasses.replace(state, tokens=buffer, length=state.length + ends[:, -1], expanded=loop.lengths)
-
-    def _catch_up(self, ctx: Context, state: UniversalState, lengths):
-        """Feed assistant tokens [synced, lengths) to the assistant: -> (logits at lengths - 1 [B, V_a], cache,
-        forwards). Each step runs the narrowest block that covers the rows furthest behind (the prefill chunk
-        width when far behind, on the first round)."""
-        assistant = ctx.assistant
-        batch, size_a = state.tokens.shape
-        rows = jnp.arange(batch)
-        widths = (*CATCH_UP_WIDTHS, self.catch_up_width)
-
-        def block(width: int):
-            def run(carry):
-                cache, synced, last_logits = carry
-                positions = synced[:, None] + jnp.arange(width)[None, :]  # [B, W]
-                tokens = jnp.take_along_axis(state.tokens, jnp.clip(positions, 0, size_a - 1), axis=1)
-                logits, _, cache = assistant(tokens, positions, cache)
-                has_last = (lengths - 1 >= synced) & (lengths - 1 < synced + width)
-                last = logits[rows, jnp.clip(lengths - 1 - synced, 0, width - 1)]
-                return cache, jnp.minimum(synced + width, lengths), jnp.where(has_last[:, None], last, last_logits)
-
-            return run
-
-        def body(carry):
-            forwards, *inner = carry
-            behind = jnp.max(lengths - inner[1])
-            index = jnp.minimum(jnp.searchsorted(jnp.asarray(widths[:-1]), behind), len(widths) - 1)
-            inner = jax.lax.switch(index, [block(w) for w in widths], tuple(inner))
-            return (forwards + 1, *inner)
-
-        vocab = ctx.assistant.cfg.vocab_size
-        start = (jnp.zeros((), jnp.int32), state.cache, state.synced, jnp.zeros((batch, vocab), jnp.float32))
-        forwards, cache, _, logits = jax.lax.while_loop(lambda c: jnp.any(c[2] < lengths), body, start)
-        return logits, cache, forwards
 
     def update(self, ctx: Context, state: UniversalState, result: RoundResult) -> UniversalState:
         # The accepted drafts are committed as their draft sources, which sit at length, length + 1, ...: those
