@@ -30,6 +30,7 @@ process sees (GCS or NFS on a pod).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -217,6 +218,21 @@ def marker_for(model: Model, source: str) -> dict[str, Any]:
 def _write_json(path: str, data: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, sort_keys=True)
+
+
+@contextlib.contextmanager
+def atomic_folder(out: str):
+    """Write a folder in a temporary sibling (the yielded path) and publish it as `out` only once the block
+    completes (`_publish`): an interrupted write leaves nothing at `out`, and a failed one leaves no temporary."""
+    out = os.path.abspath(out)
+    tmp = f"{out}.tmp-{secrets.token_hex(4)}"
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _publish(tmp: str, out: str) -> None:

@@ -17,8 +17,6 @@ import dataclasses
 import functools
 import json
 import os
-import secrets
-import shutil
 from typing import Callable, Sequence
 
 import jax
@@ -26,6 +24,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+
+from jaxspec.checkpoint import atomic_folder
 
 HIDDEN_DTYPE = ml_dtypes.bfloat16  # cached hidden states: half the memory of float32, ample for inputs and targets
 
@@ -225,9 +225,7 @@ def draft_vocabulary(counts: np.ndarray, size: int) -> np.ndarray:
 def save(corpus: Corpus, folder: str, meta: dict) -> None:
     """Write `corpus` to `folder` atomically (a temporary sibling renamed when complete); `meta` describes what it
     was built from, so `load` can refuse a cache built from another model or recipe."""
-    tmp = f"{folder}.tmp-{secrets.token_hex(4)}"
-    os.makedirs(tmp)
-    try:
+    with atomic_folder(folder) as tmp:
         for field in dataclasses.fields(Corpus):
             value = getattr(corpus, field.name)
             if value.dtype == HIDDEN_DTYPE:
@@ -235,12 +233,6 @@ def save(corpus: Corpus, folder: str, meta: dict) -> None:
             np.save(os.path.join(tmp, f"{field.name}.npy"), value)
         with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as handle:
             json.dump(meta, handle, indent=2, sort_keys=True)
-        if os.path.isdir(folder):
-            shutil.rmtree(folder)
-        os.rename(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def load(folder: str, meta: dict) -> Corpus | None:

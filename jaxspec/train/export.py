@@ -14,8 +14,6 @@ import dataclasses
 import importlib
 import json
 import os
-import secrets
-import shutil
 import struct
 from typing import Any
 
@@ -25,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.assets import CONFIG_KEYS, MTP_FILE, with_params
+from jaxspec.checkpoint import atomic_folder
 from jaxspec.registry import family_for
 
 _SAFETENSORS_DTYPES = {
@@ -96,19 +95,11 @@ def save_mtp_asset(model, folder: str, dtype=ml_dtypes.bfloat16, extra_config: d
     tensors = convert.mtp_hf_tensors(cfg, layers, vocab)
     config = {key: model.hf_config[key] for key in CONFIG_KEYS if key in model.hf_config} | (extra_config or {})
     folder = os.path.abspath(folder)
-    tmp = f"{folder}.tmp-{secrets.token_hex(4)}"
-    os.makedirs(tmp)
-    try:
+    with atomic_folder(folder) as tmp:
         write_safetensors(os.path.join(tmp, MTP_FILE), tensors)
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as handle:
             json.dump(config, handle, indent=2, sort_keys=True)
             handle.write("\n")
-        if os.path.isdir(folder):
-            shutil.rmtree(folder)
-        os.rename(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 
