@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from . import distributed, settings as settings_lib
+from . import distributed, inplace, settings as settings_lib
 from .loading import Model
 from .sampling import select
 from .settings import Settings
@@ -727,39 +727,39 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, draft, count
     batch = count.shape[0]
     rows = jnp.arange(batch)
 
-    def forward(width: int, operands):
-        cache, drafter_state = operands
+    def forward(width: int, cache):
         block = jnp.concatenate([state.last_token[:, None], draft.tokens[:, : width - 1]], axis=1)  # [B, W]
         positions = state.lengths[:, None] - 1 + jnp.arange(width)[None, :]
         logits, hidden, cache = drafter.target_forward(ctx, block, positions, cache, drafter_state)
         pad = ((0, 0), (0, k + 1 - width), (0, 0))
-        return jnp.pad(logits, pad), jnp.pad(hidden, pad), cache
+        return cache, (jnp.pad(logits, pad), jnp.pad(hidden, pad))
 
-    def plain_step(operands):
-        logits, hidden, cache = forward(1, operands)
+    def plain_step(cache):
+        cache, (logits, hidden) = forward(1, cache)
         processed = ctx.process(logits[:, :1], state.tokens, state.lengths, state.prompt_lengths)
         token = select(rng, processed[:, 0], spec.do_sample)
         verified = jnp.zeros((batch, k + 1), jnp.int32).at[:, 0].set(token)
         kept = jnp.pad(processed, ((0, 0), (0, k), (0, 0))) if spec.return_logits else None
-        return jnp.zeros((batch,), jnp.int32), verified, hidden, cache, kept
+        return cache, (jnp.zeros((batch,), jnp.int32), verified, hidden, kept)
 
     if k == 0:
-        return plain_step((cache, drafter_state))
+        cache, (n, verified, hidden, kept) = plain_step(cache)
+        return n, verified, hidden, cache, kept
 
-    def drafted_step(operands):
+    def drafted_step(cache):
         wide = [w for w in spec.verify_widths if w > 1]
         index = jnp.searchsorted(jnp.asarray(wide), jnp.max(count) + 1)
-        branches = [functools.partial(forward, w) for w in wide]
-        logits, hidden, cache = jax.lax.switch(index, branches, operands) if len(branches) > 1 else branches[0](
-            operands)
+        cache, (logits, hidden) = inplace.switch(index, [functools.partial(forward, w) for w in wide], cache)
         # Position j judges draft j+1 with the prefix it extends: committed tokens, then d_1 .. d_j.
         positions = state.lengths[:, None] + jnp.arange(k)[None, :]
         with_drafts = state.tokens.at[rows[:, None], positions].set(draft.tokens, mode="drop")
         processed = ctx.process(logits, with_drafts, state.lengths, state.prompt_lengths)
         n, verified = verify(rng, processed, draft.tokens, count, draft.probs, spec.do_sample, spec.ensemble_weight)
-        return n, verified, hidden, cache, processed if spec.return_logits else None
+        return cache, (n, verified, hidden, processed if spec.return_logits else None)
 
-    return jax.lax.cond(jnp.max(count) > 0, drafted_step, plain_step, (cache, drafter_state))
+    # The cache is the only state the branches update (in place: see jaxspec.inplace).
+    cache, (n, verified, hidden, kept) = inplace.cond(jnp.max(count) > 0, drafted_step, plain_step, cache)
+    return n, verified, hidden, cache, kept
 
 
 def _commit_counts(ctx: Context, verified, n, lengths, budget_end):

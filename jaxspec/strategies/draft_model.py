@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import inplace
 from ..sampling import select
 from .base import (Context, DecodeState, Draft, Drafter, DraftLength, RoundResult, Schedule,
                    room_for_drafts)
@@ -75,8 +76,12 @@ class AutoregressiveDrafter(Drafter):
             active = active & confident & ~ctx.is_eos(token) & (count < limit)
             # Draft i + 1 needs draft i run through the network; skip that when no row drafts again.
             go_on = jnp.any(active) & (i + 1 < k)
-            logits, carry = jax.lax.cond(
-                go_on, lambda c: feed(c, token, (loop.lengths + i)[:, None], i + 1), lambda c: (logits, c), carry)
+
+            def feed_draft(carry):
+                next_logits, carry = feed(carry, token, (loop.lengths + i)[:, None], i + 1)
+                return carry, next_logits
+
+            carry, logits = inplace.cond(go_on, feed_draft, lambda carry: (carry, logits), carry)
             return i + 1, carry, logits, buffer, tokens, probs, active, count, feeds + go_on
 
         def cond(state):
@@ -132,12 +137,12 @@ class DraftModelDrafter(AutoregressiveDrafter):
             # Valid if every draft is accepted: the committed tokens, then drafts 1..count-1 (the last one is never
             # fed). `update` lowers this to what verification accepted.
             synced = loop.lengths + jnp.maximum(draft.count - 1, 0)
-            return draft, dataclasses.replace(state, cache=cache, synced=synced), catch_up_forwards + feeds
+            return dataclasses.replace(state, cache=cache, synced=synced), (draft, catch_up_forwards + feeds)
 
         def skip(state: DraftModelState):
-            return self.no_draft(loop, ctx.target.cfg.vocab_size), state, jnp.zeros((), jnp.int32)
+            return state, (self.no_draft(loop, ctx.target.cfg.vocab_size), jnp.zeros((), jnp.int32))
 
-        draft, state, forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, state)
+        state, (draft, forwards) = inplace.cond(jnp.any(limit > 0), run, skip, state)
         return draft, state, forwards, loop.cache
 
     def update(self, ctx: Context, state: DraftModelState, result: RoundResult) -> DraftModelState:
@@ -168,7 +173,7 @@ def catch_up(assistant, tokens: jax.Array, synced: jax.Array, lengths: jax.Array
             logits, _, cache = assistant(block_tokens, positions, cache)
             has_last = (lengths - 1 >= synced) & (lengths - 1 < synced + width)
             last = logits[rows, jnp.clip(lengths - 1 - synced, 0, width - 1)]
-            return cache, jnp.minimum(synced + width, lengths), jnp.where(has_last[:, None], last, last_logits)
+            return (cache, jnp.minimum(synced + width, lengths), jnp.where(has_last[:, None], last, last_logits)), ()
 
         return run
 
@@ -176,7 +181,7 @@ def catch_up(assistant, tokens: jax.Array, synced: jax.Array, lengths: jax.Array
         forwards, *inner = carry
         behind = jnp.max(lengths - inner[1])
         index = jnp.minimum(jnp.searchsorted(jnp.asarray(widths[:-1]), behind), len(widths) - 1)
-        inner = jax.lax.switch(index, [block(w) for w in widths], tuple(inner))
+        inner, _ = inplace.switch(index, [block(w) for w in widths], tuple(inner))
         return (forwards + 1, *inner)
 
     start = (jnp.zeros((), jnp.int32), cache, synced, jnp.zeros((batch, assistant.cfg.vocab_size), jnp.float32))

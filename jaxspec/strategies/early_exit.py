@@ -20,6 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from .. import inplace
 from .base import Context, DecodeState, DraftLength, RoundResult
 from .draft_model import AutoregressiveDrafter
 
@@ -69,13 +70,12 @@ class EarlyExitDrafter(AutoregressiveDrafter):
             # their last token, which rewrites identical values.
             last = jnp.where(draft.count > 0, draft.tokens[rows, jnp.maximum(draft.count - 1, 0)], loop.last_token)
             h_last, cache = self._first_layers(ctx, last, (loop.lengths - 1 + draft.count)[:, None], cache)
-            return draft, cache, exit_hidden.at[rows, draft.count].set(h_last), feeds + 2
+            return (cache, exit_hidden.at[rows, draft.count].set(h_last)), (draft, feeds + 2)
 
         def skip(operands):
-            cache, exit_hidden = operands
-            return self.no_draft(loop, ctx.target.cfg.vocab_size), cache, exit_hidden, jnp.ones((), jnp.int32)
+            return operands, (self.no_draft(loop, ctx.target.cfg.vocab_size), jnp.ones((), jnp.int32))
 
-        draft, cache, exit_hidden, forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, (cache, exit_hidden))
+        (cache, exit_hidden), (draft, forwards) = inplace.cond(jnp.any(limit > 0), run, skip, (cache, exit_hidden))
         return draft, dataclasses.replace(state, exit_hidden=exit_hidden), forwards, cache
 
     def update(self, ctx: Context, state: EarlyExitState, result: RoundResult) -> EarlyExitState:

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import inplace
 from ..vocab_map import VocabMap, same_vocabulary, vocab_map
 from .base import Context, DecodeState, DraftLength, RoundResult
 from .draft_model import AutoregressiveDrafter, catch_up
@@ -137,12 +138,12 @@ class UniversalDrafter(AutoregressiveDrafter):
 
             draft, cache, feeds = self.draft_loop(ctx, loop, limit, over_target_vocabulary(logits), feed, cache, rng)
             synced = jnp.where(fits, state.length + jnp.maximum(draft.count - 1, 0), state.synced)
-            return draft, dataclasses.replace(state, cache=cache, synced=synced), catch_up_forwards + feeds
+            return dataclasses.replace(state, cache=cache, synced=synced), (draft, catch_up_forwards + feeds)
 
         def skip(state: UniversalState):
-            return self.no_draft(loop, ctx.target.cfg.vocab_size), state, jnp.zeros((), jnp.int32)
+            return state, (self.no_draft(loop, ctx.target.cfg.vocab_size), jnp.zeros((), jnp.int32))
 
-        draft, state, forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, state)
+        state, (draft, forwards) = inplace.cond(jnp.any(limit > 0), run, skip, state)
         return draft, state, forwards, loop.cache
 
     def _expand(self, ctx: Context, loop: DecodeState, state: UniversalState) -> UniversalState:
