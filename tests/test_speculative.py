@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import jaxspec
-from jaxspec.strategies.base import DraftLength, RoundResult, Schedule
+from jaxspec.strategies.base import DraftLength, RoundResult, Schedule, default_verify_costs
 from tests import hf_models, oracles
 from tests.test_generate import PROMPTS, left_padded
 
@@ -132,7 +132,11 @@ def run_schedule(schedule, copies, cap=7):
     return allowed
 
 
-CPU_COSTS = dict(widths=(1, 2, 4, 8), verify_costs=(1.0, 1.075, 1.225, 1.525))  # default_verify_costs on a CPU
+CPU_COSTS = dict(widths=(1, 2, 4, 8), verify_costs=(1.0, 1.2, 1.3, 1.5))  # default_verify_costs on a CPU
+
+
+def test_cpu_verify_costs_are_the_defaults():
+    assert default_verify_costs(CPU_COSTS["widths"]) == pytest.approx(CPU_COSTS["verify_costs"])
 
 
 def test_adaptive_schedule_drafts_what_pays():
@@ -150,11 +154,13 @@ def test_adaptive_schedule_drafts_what_pays():
     costly = Schedule("adaptive", draft_cost=0.5, **CPU_COSTS)
     assert run_schedule(costly, [False])[0] == 1 and run_schedule(free, [False])[0] == 3
     assert run_schedule(costly, [True] * 6)[-1] > 1  # hits make even an expensive drafter pay
-    # A probe of the costly drafter costs 0.575 plain steps (0.075 for the free one): it probes 6 times less often.
-    assert (free.probe_spacing, costly.probe_spacing) == (1, 6)
+    # A probe of the costly drafter costs 0.7 plain steps (0.2 for the free one): the free one's back-off is twice
+    # the unit's (PROBE_UNIT = 0.1), the costly one's 7 times.
+    assert (free.probe_spacing, costly.probe_spacing) == (2, 7)
     idle_free, idle_costly = (np.array(run_schedule(s, [False] * 200)[20:]) for s in (free, costly))
     assert 0 < (idle_costly > 0).sum() < (idle_free > 0).sum()
-    assert (idle_costly > 0).sum() * 0.575 / len(idle_costly) < 0.02  # idle probing costs it under 2%
+    assert (idle_costly > 0).sum() * 0.7 / len(idle_costly) < 0.02  # idle probing costs it under 2%
+    assert (idle_free > 0).sum() * 0.2 / len(idle_free) < 0.02
 
 
 def test_heuristic_schedule_follows_transformers_rule():

@@ -145,12 +145,17 @@ def verify_widths(max_draft: int) -> tuple[int, ...]:
 
 def default_verify_costs(widths: tuple[int, ...]) -> tuple[float, ...]:
     """The cost of a verify block of each width, in plain decoding steps (width 1 = 1), as the adaptive schedule
-    assumes it. On a CPU each extra token adds about 7%: `python scripts/bench_verify_width.py` on SmolLM2-135M
-    (2 idle cores, float32) gave 1.08 for 2 tokens, 1.22 for 4 and 1.51 for 8. (With the cores shared by another
-    job, 2 tokens cost up to 1.45: the matrix multiply suffers more than the matrix-vector path.) On accelerators a
-    few extra tokens are nearly free while decoding is memory-bound."""
-    per_token = 0.075 if jax.default_backend() == "cpu" else 0.02
-    return tuple(1.0 + per_token * (w - 1) for w in widths)
+    assumes it.
+
+    On a CPU the second token costs most: a plain step's matrix-vector products stream the weights at memory speed,
+    while a matrix multiply of 2 rows runs a compute kernel that is slower per core (the LM head's costs about twice
+    its 1-row product). `python scripts/bench_verify_width.py` (2 idle cores, float32, forwards in a compiled loop)
+    gave 1.23 / 1.29 / 1.36 / 1.55 for 2 / 3 / 4 / 8 tokens on SmolLM2-135M and 1.08 / 1.17 / 1.22 / 1.37 on
+    Qwen2.5-Coder-0.5B; the default follows the first, the conservative one (a row drafts only where that pays on
+    either). On accelerators a few extra tokens are nearly free while decoding is memory-bound."""
+    if jax.default_backend() == "cpu":
+        return tuple(1.0 if w == 1 else 1.2 + 0.05 * (w - 2) for w in widths)
+    return tuple(1.0 + 0.02 * (w - 1) for w in widths)
 
 
 @dataclasses.dataclass(frozen=True)
