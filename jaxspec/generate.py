@@ -720,40 +720,45 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, draft, count
     [B, K+1, D], cache, processed logits [B, K+1, V] with return_logits, else None).
 
     The block width W is chosen at run time among `spec.verify_widths`, so a round with few drafts does not pay
-    for K: the forward, the processors and verification all run at that width (a round without drafts is a plain
-    step at width 1), and only the small results are padded to K+1.
+    for K. A round without drafts is a plain step at width 1. Any wider block is padded to K+1 positions and
+    processed and verified once at that width, so processors and verification compile twice, not once per width.
     """
     drafter, k = spec.drafter, spec.drafter.max_draft
     batch = count.shape[0]
     rows = jnp.arange(batch)
 
-    def pad(x, width: int):  # [B, W, ...] -> [B, K+1, ...]
-        return jnp.pad(x, ((0, 0), (0, k + 1 - width)) + ((0, 0),) * (x.ndim - 2))
-
-    def verify_block(width: int, cache):
+    def forward(width: int, cache):
         block = jnp.concatenate([state.last_token[:, None], draft.tokens[:, : width - 1]], axis=1)  # [B, W]
         positions = state.lengths[:, None] - 1 + jnp.arange(width)[None, :]
         logits, hidden, cache = drafter.target_forward(ctx, block, positions, cache, drafter_state)
-        # Position j judges draft j+1 with the prefix it extends: committed tokens, then d_1 .. d_j.
-        draft_positions = state.lengths[:, None] + jnp.arange(width - 1)[None, :]
-        with_drafts = state.tokens.at[rows[:, None], draft_positions].set(draft.tokens[:, : width - 1], mode="drop")
-        processed = ctx.process(logits, with_drafts, state.lengths, state.prompt_lengths)  # [B, W, V]
-        probs = None if draft.probs is None else draft.probs[:, : width - 1]
-        n, verified = verify(rng, processed, draft.tokens[:, : width - 1], jnp.minimum(count, width - 1), probs,
-                             spec.do_sample, spec.ensemble_weight)
-        kept = pad(processed, width) if spec.return_logits else None
-        return cache, (n, pad(verified, width), pad(hidden, width), kept)
+        pad = ((0, 0), (0, k + 1 - width), (0, 0))
+        return cache, (jnp.pad(logits, pad), jnp.pad(hidden, pad))
+
+    def plain_step(cache):
+        cache, (logits, hidden) = forward(1, cache)
+        processed = ctx.process(logits[:, :1], state.tokens, state.lengths, state.prompt_lengths)
+        token = select(rng, processed[:, 0], spec.do_sample)
+        verified = jnp.zeros((batch, k + 1), jnp.int32).at[:, 0].set(token)
+        kept = jnp.pad(processed, ((0, 0), (0, k), (0, 0))) if spec.return_logits else None
+        return cache, (jnp.zeros((batch,), jnp.int32), verified, hidden, kept)
 
     if k == 0:
-        cache, (n, verified, hidden, kept) = verify_block(1, cache)
+        cache, (n, verified, hidden, kept) = plain_step(cache)
         return n, verified, hidden, cache, kept
 
-    # The narrowest width that holds every row's drafts; the cache is the only state a branch updates (in place:
-    # see jaxspec.inplace).
-    widths = spec.verify_widths
-    index = jnp.searchsorted(jnp.asarray(widths), jnp.max(count) + 1)
-    cache, (n, verified, hidden, kept) = inplace.switch(
-        index, [functools.partial(verify_block, width) for width in widths], cache)
+    def drafted_step(cache):
+        wide = [w for w in spec.verify_widths if w > 1]
+        index = jnp.searchsorted(jnp.asarray(wide), jnp.max(count) + 1)
+        cache, (logits, hidden) = inplace.switch(index, [functools.partial(forward, w) for w in wide], cache)
+        # Position j judges draft j+1 with the prefix it extends: committed tokens, then d_1 .. d_j.
+        positions = state.lengths[:, None] + jnp.arange(k)[None, :]
+        with_drafts = state.tokens.at[rows[:, None], positions].set(draft.tokens, mode="drop")
+        processed = ctx.process(logits, with_drafts, state.lengths, state.prompt_lengths)
+        n, verified = verify(rng, processed, draft.tokens, count, draft.probs, spec.do_sample, spec.ensemble_weight)
+        return cache, (n, verified, hidden, processed if spec.return_logits else None)
+
+    # The cache is the only state the branches update (in place: see jaxspec.inplace).
+    cache, (n, verified, hidden, kept) = inplace.cond(jnp.max(count) > 0, drafted_step, plain_step, cache)
     return n, verified, hidden, cache, kept
 
 
