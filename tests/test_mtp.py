@@ -83,17 +83,35 @@ def test_extra_drafts_reuse_the_last_layer(checkpoints):
     assert out.accepted_hist.shape[1] == 4
 
 
-@pytest.mark.parametrize("family, layers", [("deepseek_v3", 2), pytest.param("glm4_moe", 3, marks=SLOW)])
-def test_drafts_after_any_accepted_count_equal_the_from_scratch_chain(checkpoints, family, layers):
-    """Drive the drafter by hand, forcing every possible accepted count; each round's drafts must equal an MTP
-    chain computed from scratch over the committed sequence (the definition)."""
+def _every_accepted_count(layers: int) -> list[tuple[int, int]]:
+    """Rounds (drafts, accepted) that draft K and accept 0, 1, ..., K, twice."""
+    return [(layers, index % (layers + 1)) for index in range(2 * (layers + 1))]
+
+
+def _idle_stretches(layers: int) -> list[tuple[int, int]]:
+    """Rounds that draft nothing (no depth runs), one draft (depth 0 alone), then K again: idle depths must catch
+    up, over more than one block (CATCH_UP_WIDTH = 16) after the longest stretch."""
+    return ([(layers, 1), (0, 0), (0, 0), (layers, layers), (1, 1), (1, 0), (layers, 0)] + [(0, 0)] * 20
+            + [(1, 1), (layers, 1), (0, 0), (layers, layers)])
+
+
+@pytest.mark.parametrize("family, layers, plan", [
+    ("deepseek_v3", 2, _every_accepted_count), ("deepseek_v3", 2, _idle_stretches),
+    pytest.param("glm4_moe", 3, _every_accepted_count, marks=SLOW),
+    pytest.param("glm4_moe", 3, _idle_stretches, marks=SLOW),
+])
+def test_drafts_equal_the_from_scratch_chain(checkpoints, family, layers, plan):
+    """Drive the drafter by hand through a plan of rounds, forcing each round's draft count and accepted count;
+    each round's drafts must equal an MTP chain computed from scratch over the committed sequence (the
+    definition), whatever ran before: every accepted count, rounds in which no depth ran, rounds in which only the
+    first depths ran."""
     target = jaxspec.load(checkpoints(family, layers)).module
     drafter = MtpDrafter(max_draft=layers, num_layers=layers)
     model = jaxspec.load(checkpoints(family, layers))
     processing = settings_lib.resolve(model, max_new_tokens=8, eos_token_id=[]).processing(target.cfg.vocab_size)
     ctx = Context(target=target, assistant=None, processing=jax.tree.map(jnp.asarray, processing), do_sample=False,
                   ngram_slots=4, draft_inputs={"initial_draft_length": jnp.int32(layers)})
-    size, bucket, prompt = 64, 16, [5, 6, 7, 8, 9, 10, 11]
+    size, bucket, prompt = 96, 16, [5, 6, 7, 8, 9, 10, 11]
     tokens = np.zeros((1, size), np.int32)
     tokens[0, : len(prompt) + 1] = prompt + [12]  # the prefill's first token
     positions = jnp.arange(bucket)[None]
@@ -113,24 +131,29 @@ def test_drafts_after_any_accepted_count_equal_the_from_scratch_chain(checkpoint
     update_fn = jax.jit(lambda state, result: drafter.update(ctx, state, result))
     target_fn = jax.jit(target.__call__)
     corrections = np.random.RandomState(0).randint(3, 128, 64)
-    for round_index in range(2 * (layers + 1)):
-        accepted = round_index % (layers + 1)
+    checked = 0
+    for round_index, (drafts, accepted) in enumerate(plan(layers)):
         length = int(loop.lengths[0])
+        # The schedule's length decides the round's draft count (Schedule() without widths drafts num_tokens).
+        state = dataclasses.replace(state, length=dataclasses.replace(state.length, num_tokens=jnp.array([drafts])))
         draft, state = draft_fn(loop, state, jax.random.key(round_index))
+        assert int(draft.count[0]) == drafts
         expected = np.argmax(np.asarray(mtp_chain_from_scratch(target, jnp.asarray(tokens[:, :length]))), -1)
-        np.testing.assert_array_equal(np.asarray(draft.tokens), expected)
+        np.testing.assert_array_equal(np.asarray(draft.tokens)[:, :drafts], expected[:, :drafts])
+        checked += drafts
         # Verify by hand: the target reads [last, d_1..d_K]; commit `accepted` drafts and a correction token.
         block = np.concatenate([tokens[:, length - 1: length], np.asarray(draft.tokens)], axis=1)
         block_positions = jnp.asarray(length - 1 + np.arange(layers + 1))[None]
         _, block_hidden, cache = target_fn(jnp.asarray(block), block_positions, loop.cache)
         tokens[0, length: length + accepted] = np.asarray(draft.tokens)[0, :accepted]
-        tokens[0, length + accepted] = corrections[round_index]
+        tokens[0, length + accepted] = corrections[round_index % len(corrections)]
         new_length = length + accepted + 1
-        result = RoundResult(drafted=jnp.array([layers]), accepted=jnp.array([accepted]),
+        result = RoundResult(drafted=jnp.array([drafts]), accepted=jnp.array([accepted]),
                              committed=jnp.array([accepted + 1]), tokens=jnp.asarray(block),
                              hidden=block_hidden, lengths=jnp.array([new_length]))
         state = update_fn(state, result)
         loop = dataclasses.replace(loop, tokens=jnp.asarray(tokens), lengths=jnp.array([new_length]), cache=cache)
+    assert checked >= 2 * layers
 
 
 def test_sampling_is_exact(checkpoints):

@@ -148,9 +148,21 @@ def _mtp(model, arguments, keep_probs: bool) -> StrategyChoice:
     _check_positive_int("num_assistant_tokens", drafts)
     kind = _schedule_kind(arguments.get("num_assistant_tokens_schedule") or "adaptive", ("adaptive", "constant"),
                           "use_mtp")
-    # Every depth runs every round whatever the schedule decides (see mtp.py), so drafts cost nothing extra.
     return StrategyChoice("mtp", MtpDrafter(max_draft=int(drafts), num_layers=layers, keep_probs=keep_probs,
-                                            schedule=make_schedule(kind, int(drafts), int(drafts), draft_cost=0.0)))
+                                            schedule=make_schedule(kind, int(drafts), int(drafts),
+                                                                   draft_cost=mtp_draft_cost(model))))
+
+
+def mtp_draft_cost(model) -> float:
+    """One MTP draft in target decoding steps: a round drafting d tokens runs d depths (mtp.py), each an eh_proj,
+    one decoder block of the target's kind and the draft head (over the draft vocabulary where the model has one).
+    A MoE block is priced as if every expert were read, which overestimates it."""
+    cfg = model.config
+    head = head_share(model)
+    block = (1 - head) / cfg.num_layers
+    eh_proj = 2 * cfg.hidden_size**2 * np.dtype(model.dtype).itemsize / weight_bytes(model.module)
+    drafted_vocab = getattr(cfg, "draft_vocab_size", 0) or cfg.vocab_size
+    return block + eh_proj + head * drafted_vocab / cfg.vocab_size
 
 
 def make_schedule(kind: str, initial: int, max_draft: int, draft_cost: float) -> Schedule:

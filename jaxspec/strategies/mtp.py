@@ -5,15 +5,19 @@ the committed sequence t_0..t_{L-1}. Depth 0's entry at position i combines Emb(
 final-normed hidden state at i-1; depth k's entry at i combines Emb(token at i) with depth k-1's output at i-1,
 where tokens past L-1 are this round's drafts. Depth k's entry at L-1+k yields draft k+1.
 
-Caching: each depth keeps a position-indexed cache. Only entries below L-1 survive a round unchanged (those at or
-past L-1 embedded a draft or a stale state), and at most K+1 new tokens were committed, so each round recomputes
-a fixed window of K+1 entries per depth, [L-1-K+k, L-1+k]: it covers everything new or stale, and the entries it
-recomputes needlessly come out identical. The main model's hidden states live in a position-indexed buffer that
-each verification writes, the same rollback-by-length rule as the KV cache. The prompt's entries are computed chunk
-by chunk as the target reads the prompt.
+Caching: each depth keeps a position-indexed cache, and a position-indexed buffer of its outputs (what the next
+depth reads). `synced[k]` says below which position depth k's entries are committed ones, which never change.
+Entries at or past L-1 embedded a draft or a stale state, and at most K+1 tokens were committed since the depth last
+ran, so a round recomputes a fixed window of K+1 entries per depth, [L-1-K+k, L-1+k]: it covers everything new or
+stale, and the entries it recomputes needlessly come out identical. The main model's hidden states live in a
+position-indexed buffer that each verification writes, the same rollback-by-length rule as the KV cache. The
+prompt's entries are computed chunk by chunk as the target reads the prompt.
 
-Every depth runs every round (the window must stay covered); the schedule only decides how many of the K drafts a
-row hands to verification, which is what a wide verify block costs.
+Only the depths a round drafts from run: a round in which no row drafts (the adaptive schedule's idle rows) runs no
+MTP layer at all, and depth k runs only when some row drafts more than k tokens. A depth that was idle first
+catches its committed entries up, in blocks of CATCH_UP_WIDTH positions from `synced[k]` to where its window
+starts, reading the previous depth's stored outputs; so a draft costs one depth step (and its head) whatever K is,
+and the drafts still equal a from-scratch MTP chain.
 
 With more drafts than MTP layers (`num_assistant_tokens` > `num_nextn_predict_layers`), the extra depths reuse the
 last layer's weights, each with its own cache (as vLLM does); off by default. A model with a reduced draft
@@ -29,9 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import inplace
 from ..sampling import select
 from .base import (Context, DecodeState, Draft, Drafter, DraftLength, PrefillChunk, RoundResult, Schedule,
                    room_for_drafts)
+
+
+CATCH_UP_WIDTH = 16  # positions per block when an idle depth catches its committed entries up
 
 
 @jax.tree_util.register_dataclass
@@ -39,7 +47,8 @@ from .base import (Context, DecodeState, Draft, Drafter, DraftLength, PrefillChu
 class MtpState:
     caches: Any  # one cache per depth, stacked on the leading axis
     main_hidden: jax.Array  # [B, S, D] the target's final-normed hidden state at each position
-    chunk_tail: jax.Array  # [K, B, D] each depth's output at the last position of the previous prompt chunk
+    outputs: jax.Array  # [K, B, S, D] each depth's normed output at each position (the next depth's input)
+    synced: jax.Array  # [K, B] depth k's cache entries and outputs below synced[k] are committed entries
     length: DraftLength
 
 
@@ -61,66 +70,122 @@ class MtpDrafter(Drafter):
         return MtpState(
             caches=target.init_mtp_cache(batch, size, depths=self.max_draft),
             main_hidden=jnp.zeros((batch, size, width), target.dtype),
-            chunk_tail=jnp.zeros((self.max_draft, batch, width), target.dtype),
+            outputs=jnp.zeros((self.max_draft, batch, size, width), target.dtype),
+            synced=jnp.zeros((self.max_draft, batch), jnp.int32),
             length=self.schedule.init(batch, ctx.draft_inputs["initial_draft_length"]),
         )
 
     def prefill_chunk(self, ctx: Context, state: MtpState, chunk: PrefillChunk) -> MtpState:
         """Every depth over the chunk's positions, so each row's entries below L-1 are valid from the start."""
-        rows = jnp.arange(chunk.tokens.shape[0])[:, None]
-        first = chunk.positions[:, :1]  # [B, 1]
-        before = state.main_hidden[rows, jnp.maximum(first - 1, 0)]  # [B, 1, D] the state at the chunk's start - 1
-        before = jnp.where((first > 0)[..., None], before, 0)
-        main_hidden = state.main_hidden.at[rows, chunk.positions].set(chunk.hidden.astype(state.main_hidden.dtype))
-        prev = jnp.concatenate([before, chunk.hidden[:, :-1]], axis=1)  # entry i reads the state at i-1
-        caches, tails = state.caches, []
+        main_hidden = _write(state.main_hidden, chunk.positions, chunk.hidden)
+        caches, outputs = state.caches, state.outputs
         for depth in range(self.max_draft):
-            out, _, caches = ctx.target.mtp_step(depth, chunk.tokens, prev, chunk.positions, caches,
-                                                 layer=self.layer(depth))
-            prev = jnp.concatenate([state.chunk_tail[depth][:, None], out[:, :-1]], axis=1)
-            tails.append(out[:, -1])
-        return dataclasses.replace(state, caches=caches, main_hidden=main_hidden, chunk_tail=jnp.stack(tails))
+            source = main_hidden if depth == 0 else outputs[depth - 1]
+            out, _, caches = ctx.target.mtp_step(depth, chunk.tokens, _read_before(source, chunk.positions),
+                                                 chunk.positions, caches, layer=self.layer(depth))
+            outputs = outputs.at[depth].set(_write(outputs[depth], chunk.positions, out))
+        prompt_end = jnp.max(jnp.where(chunk.valid, chunk.positions + 1, 0), axis=1)  # [B]
+        synced = jnp.maximum(state.synced, prompt_end[None, :])
+        return dataclasses.replace(state, caches=caches, main_hidden=main_hidden, outputs=outputs, synced=synced)
 
     def draft(self, ctx: Context, loop: DecodeState, state: MtpState, rng):
         target, k = ctx.target, self.max_draft
         batch, size = loop.tokens.shape
-        rows = jnp.arange(batch)[:, None]
+        rows = jnp.arange(batch)
+        count = jnp.minimum(self.schedule.allowed(state.length), room_for_drafts(loop)).astype(jnp.int32)  # [B]
+        depths_needed = jnp.max(count)
         window = loop.lengths[:, None] - 1 - k + jnp.arange(k + 1)[None, :]  # [B, K+1] depth 0's positions
         # Tokens at positions L-1-K .. L-1+K: committed ones from the buffer, then the drafts as they come.
         sequence = jnp.take_along_axis(loop.tokens, jnp.clip(window, 0, size - 1), axis=1)
         sequence = jnp.concatenate([sequence, jnp.zeros((batch, k), jnp.int32)], axis=1)  # [B, 2K+1]
-        prev = state.main_hidden[rows, jnp.clip(window - 1, 0, size - 1)]  # [B, K+1, D]
         # A model with a draft vocabulary heads its drafts with those V' tokens only (zero q elsewhere).
         draft_logits = getattr(target, "draft_logits", target.logits)
-        caches, buffer = state.caches, loop.tokens
+        vocab = target.cfg.vocab_size
+        carry = (state.caches, state.outputs, state.synced, sequence, loop.tokens,
+                 state.main_hidden[rows[:, None], jnp.clip(window - 1, 0, size - 1)],  # [B, K+1, D] depth 0's input
+                 jnp.zeros((), jnp.int32))
         drafts, probs = [], []
         for depth, step_rng in enumerate(jax.random.split(rng, k)):
-            # Entries below position depth+1 do not exist; clipping sends them to slots attention never reads.
-            positions = jnp.clip(window + depth, 0, size - 1)
-            out, _, caches = target.mtp_step(depth, sequence[:, depth: depth + k + 1], prev, positions, caches,
-                                             layer=self.layer(depth))
-            logits = draft_logits(out[:, -1])  # [B, V]: predicts position L + depth
-            processed = ctx.process(logits[:, None], buffer, loop.lengths + depth, loop.prompt_lengths)[:, 0]
-            token = select(step_rng, processed, ctx.do_sample)
-            sequence = sequence.at[:, k + 1 + depth].set(token)
-            buffer = buffer.at[rows[:, 0], loop.lengths + depth].set(token, mode="drop")
+
+            def run_depth(carry, depth=depth, step_rng=step_rng):
+                caches, outputs, synced, sequence, buffer, prev, forwards = carry
+                # Positions below the window's start that this depth has not run on since it last drafted.
+                caches, outputs, caught_up = self._catch_up(ctx, loop, state.main_hidden, caches, outputs,
+                                                            synced[depth], window[:, 0] + depth, depth)
+                # Entries below position depth+1 do not exist; clipping sends them to slots attention never reads.
+                positions = jnp.clip(window + depth, 0, size - 1)
+                out, _, caches = target.mtp_step(depth, sequence[:, depth: depth + k + 1], prev, positions, caches,
+                                                 layer=self.layer(depth))
+                outputs = outputs.at[depth].set(_write(outputs[depth], positions, out))
+                synced = synced.at[depth].set(loop.lengths)  # the window reached L-1: every committed entry
+                logits = draft_logits(out[:, -1])  # [B, V]: predicts position L + depth
+                processed = ctx.process(logits[:, None], buffer, loop.lengths + depth, loop.prompt_lengths)[:, 0]
+                token = select(step_rng, processed, ctx.do_sample)
+                sequence = sequence.at[:, k + 1 + depth].set(token)
+                buffer = buffer.at[rows, loop.lengths + depth].set(token, mode="drop")
+                q = jax.nn.softmax(processed, axis=-1) if self.keep_probs else None
+                # depth+1's entry at i reads depth's output at i-1: the same window, shifted by one
+                return (caches, outputs, synced, sequence, buffer, out, forwards + 1 + caught_up), (token, q)
+
+            def skip_depth(carry):
+                q = jnp.zeros((batch, vocab), jnp.float32) if self.keep_probs else None
+                return carry, (jnp.zeros((batch,), jnp.int32), q)
+
+            carry, (token, q) = inplace.cond(depths_needed > depth, run_depth, skip_depth, carry)
             drafts.append(token)
-            if self.keep_probs:
-                probs.append(jax.nn.softmax(processed, axis=-1))
-            prev = out  # depth+1's entry at i reads depth's output at i-1: the same window, shifted by one
-        count = jnp.minimum(self.schedule.allowed(state.length), room_for_drafts(loop))
-        draft = Draft(tokens=jnp.stack(drafts, axis=1), count=count.astype(jnp.int32),
+            probs.append(q)
+        caches, outputs, synced, *_, forwards = carry
+        draft = Draft(tokens=jnp.stack(drafts, axis=1), count=count,
                       probs=jnp.stack(probs, axis=1) if self.keep_probs else None)
-        return draft, dataclasses.replace(state, caches=caches), jnp.asarray(k, jnp.int32), loop.cache
+        state = dataclasses.replace(state, caches=caches, outputs=outputs, synced=synced)
+        return draft, state, forwards, loop.cache
+
+    def _catch_up(self, ctx: Context, loop: DecodeState, main_hidden, caches, outputs, synced, end, depth: int):
+        """Run depth `depth` on the committed positions [synced, end) of each row, CATCH_UP_WIDTH at a time, reading
+        the previous depth's stored outputs (which reach `end - 1`: that depth ran first). -> (caches, outputs,
+        blocks run). Rows already caught up rewrite positions at or past `end`, which this round's window or a
+        later one rewrites before any query reads them."""
+        target = ctx.target
+        size = loop.tokens.shape[1]
+        source = main_hidden if depth == 0 else outputs[depth - 1]
+
+        def behind(carry):
+            return jnp.any(carry[2] < end)
+
+        def block(carry):
+            caches, outputs, synced, blocks = carry
+            positions = synced[:, None] + jnp.arange(CATCH_UP_WIDTH)[None, :]  # [B, W]
+            tokens = jnp.take_along_axis(loop.tokens, jnp.clip(positions, 0, size - 1), axis=1)
+            out, _, caches = target.mtp_step(depth, tokens, _read_before(source, positions), positions, caches,
+                                             layer=self.layer(depth))
+            outputs = outputs.at[depth].set(_write(outputs[depth], positions, out))
+            return caches, outputs, jnp.maximum(synced, jnp.minimum(synced + CATCH_UP_WIDTH, end)), blocks + 1
+
+        caches, outputs, _, blocks = jax.lax.while_loop(behind, block, (caches, outputs, synced,
+                                                                        jnp.zeros((), jnp.int32)))
+        return caches, outputs, blocks
 
     def update(self, ctx: Context, state: MtpState, result: RoundResult) -> MtpState:
-        """Keep the verify block's main hidden states at their positions; rejected ones get overwritten later."""
+        """Keep the verify block's main hidden states at their positions; rejected ones get overwritten later.
+        Entries below each depth's `synced` stay committed whatever was accepted: nothing rolls back."""
         start = result.lengths - result.committed - 1  # the block began at the old L-1
         positions = start[:, None] + jnp.arange(result.hidden.shape[1])[None, :]
-        rows = jnp.arange(positions.shape[0])[:, None]
-        main_hidden = state.main_hidden.at[rows, positions].set(result.hidden, mode="drop")
+        main_hidden = _write(state.main_hidden, positions, result.hidden)
         length = self.schedule.update(state.length, result, self.max_draft)
         return dataclasses.replace(state, main_hidden=main_hidden, length=length)
 
     def summary(self, state: MtpState) -> dict[str, jax.Array]:
         return {"num_assistant_tokens": state.length.num_tokens}
+
+
+def _write(buffer: jax.Array, positions: jax.Array, values: jax.Array) -> jax.Array:
+    """buffer [B, S, D] with values [B, T, D] at positions [B, T]; positions past the buffer are dropped."""
+    rows = jnp.arange(buffer.shape[0])[:, None]
+    return buffer.at[rows, positions].set(values.astype(buffer.dtype), mode="drop")
+
+
+def _read_before(buffer: jax.Array, positions: jax.Array) -> jax.Array:
+    """[B, T, D]: buffer at positions - 1 (zeros for position 0, which has no state before it)."""
+    rows = jnp.arange(buffer.shape[0])[:, None]
+    before = buffer[rows, jnp.clip(positions - 1, 0, buffer.shape[1] - 1)]
+    return jnp.where((positions > 0)[..., None], before, 0)
