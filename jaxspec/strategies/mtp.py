@@ -80,10 +80,10 @@ class MtpDrafter(Drafter):
         main_hidden = _write(state.main_hidden, chunk.positions, chunk.hidden)
         caches, outputs = state.caches, state.outputs
         for depth in range(self.max_draft):
-            source = main_hidden if depth == 0 else outputs[depth - 1]
-            out, _, caches = ctx.target.mtp_step(depth, chunk.tokens, _read_before(source, chunk.positions),
-                                                 chunk.positions, caches, layer=self.layer(depth))
-            outputs = outputs.at[depth].set(_write(outputs[depth], chunk.positions, out))
+            prev = _input_states(main_hidden, outputs, depth, chunk.positions)
+            out, _, caches = ctx.target.mtp_step(depth, chunk.tokens, prev, chunk.positions, caches,
+                                                 layer=self.layer(depth))
+            outputs = _write_output(outputs, depth, chunk.positions, out)
         prompt_end = jnp.max(jnp.where(chunk.valid, chunk.positions + 1, 0), axis=1)  # [B]
         synced = jnp.maximum(state.synced, prompt_end[None, :])
         return dataclasses.replace(state, caches=caches, main_hidden=main_hidden, outputs=outputs, synced=synced)
@@ -116,7 +116,7 @@ class MtpDrafter(Drafter):
                 positions = jnp.clip(window + depth, 0, size - 1)
                 out, _, caches = target.mtp_step(depth, sequence[:, depth: depth + k + 1], prev, positions, caches,
                                                  layer=self.layer(depth))
-                outputs = outputs.at[depth].set(_write(outputs[depth], positions, out))
+                outputs = _write_output(outputs, depth, positions, out)
                 synced = synced.at[depth].set(loop.lengths)  # the window reached L-1: every committed entry
                 logits = draft_logits(out[:, -1])  # [B, V]: predicts position L + depth
                 processed = ctx.process(logits[:, None], buffer, loop.lengths + depth, loop.prompt_lengths)[:, 0]
@@ -147,7 +147,6 @@ class MtpDrafter(Drafter):
         later one rewrites before any query reads them."""
         target = ctx.target
         size = loop.tokens.shape[1]
-        source = main_hidden if depth == 0 else outputs[depth - 1]
 
         def behind(carry):
             return jnp.any(carry[2] < end)
@@ -156,9 +155,9 @@ class MtpDrafter(Drafter):
             caches, outputs, synced, blocks = carry
             positions = synced[:, None] + jnp.arange(CATCH_UP_WIDTH)[None, :]  # [B, W]
             tokens = jnp.take_along_axis(loop.tokens, jnp.clip(positions, 0, size - 1), axis=1)
-            out, _, caches = target.mtp_step(depth, tokens, _read_before(source, positions), positions, caches,
-                                             layer=self.layer(depth))
-            outputs = outputs.at[depth].set(_write(outputs[depth], positions, out))
+            out, _, caches = target.mtp_step(depth, tokens, _input_states(main_hidden, outputs, depth, positions),
+                                             positions, caches, layer=self.layer(depth))
+            outputs = _write_output(outputs, depth, positions, out)
             return caches, outputs, jnp.maximum(synced, jnp.minimum(synced + CATCH_UP_WIDTH, end)), blocks + 1
 
         caches, outputs, _, blocks = jax.lax.while_loop(behind, block, (caches, outputs, synced,
@@ -184,8 +183,16 @@ def _write(buffer: jax.Array, positions: jax.Array, values: jax.Array) -> jax.Ar
     return buffer.at[rows, positions].set(values.astype(buffer.dtype), mode="drop")
 
 
-def _read_before(buffer: jax.Array, positions: jax.Array) -> jax.Array:
-    """[B, T, D]: buffer at positions - 1 (zeros for position 0, which has no state before it)."""
-    rows = jnp.arange(buffer.shape[0])[:, None]
-    before = buffer[rows, jnp.clip(positions - 1, 0, buffer.shape[1] - 1)]
-    return jnp.where((positions > 0)[..., None], before, 0)
+def _write_output(outputs: jax.Array, depth: int, positions: jax.Array, values: jax.Array) -> jax.Array:
+    """outputs [K, B, S, D] with depth's values [B, T, D] at positions [B, T] (in place; past the buffer: dropped)."""
+    rows = jnp.arange(outputs.shape[1])[:, None]
+    return outputs.at[depth, rows, positions].set(values.astype(outputs.dtype), mode="drop")
+
+
+def _input_states(main_hidden: jax.Array, outputs: jax.Array, depth: int, positions: jax.Array) -> jax.Array:
+    """[B, T, D]: what depth `depth`'s entries at `positions` read, the state at positions - 1: the main model's
+    hidden state for depth 0, depth - 1's output otherwise (zeros at position 0, which has no state before it)."""
+    rows = jnp.arange(positions.shape[0])[:, None]
+    before = jnp.clip(positions - 1, 0, main_hidden.shape[1] - 1)
+    states = main_hidden[rows, before] if depth == 0 else outputs[depth - 1, rows, before]
+    return jnp.where((positions > 0)[..., None], states, 0)
