@@ -1,0 +1,87 @@
+"""What a decoding round costs inside the compiled loop, by the number of drafts it verifies, against a plain step.
+
+    python scripts/bench_round_cost.py [--model smollm2-135m] [--drafts 0,1,3,7] [--max-draft 10] [--repeats 4]
+
+A drafter that proposes d fixed tokens every round (all of them rejected, so every round commits one token) runs
+through `jaxspec.generate`'s loop with K = `--max-draft`, next to plain decoding, on the story prompt of
+scripts/_bench_prompts.py; 96 new tokens, batch 1. Printed: milliseconds per round (decode time without the prefill,
+median of `--repeats` calls, interleaved) and the ratio to plain decoding, side by side in one run.
+
+- d = 0 is a round of a drafter that drafts nothing: what the loop's structure (the draft buffer, the run-time choice
+  of a verify width) costs over plain decoding, the floor of any strategy's overhead where it cannot help.
+- d >= 1 adds the verify block of width d + 1 (the target forward, the processors and verification at that width).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--drafts", default="0,1,3,7")
+    p.add_argument("--max-draft", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=4)
+    args = p.parse_args(argv)
+
+    import jax.numpy as jnp
+
+    import jaxspec
+    from jaxspec import settings as settings_lib
+    from jaxspec.generate import run_drafter
+    from jaxspec.strategies.base import Draft, Drafter
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _bench_prompts import STORY
+
+    @dataclasses.dataclass(frozen=True)
+    class FixedDrafts(Drafter):
+        """Proposes `drafts` copies of one token every round (a token the target does not pick)."""
+
+        drafts: int = 0
+
+        def draft(self, ctx, loop, state, rng):
+            batch = loop.lengths.shape[0]
+            tokens = jnp.full((batch, self.max_draft), 0, jnp.int32)
+            count = jnp.full((batch,), self.drafts, jnp.int32)
+            return Draft(tokens=tokens, count=count), state, jnp.zeros((), jnp.int32), loop.cache
+
+    model = jaxspec.load(args.model)
+    tokenizer = model.tokenizer
+    text = tokenizer.apply_chat_template([{"role": "user", "content": STORY}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"]]
+    settings = settings_lib.resolve(model, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=[])
+    drafters = {"plain decoding": Drafter(0)}
+    for d in (int(x) for x in args.drafts.split(",")):
+        drafters[f"K={args.max_draft}, {d} draft(s)"] = FixedDrafts(max_draft=args.max_draft, drafts=d)
+
+    def per_round(drafter) -> tuple[float, int]:
+        out = run_drafter(model, ids, None, drafter, None, settings)
+        return (out.decode_seconds - out.prefill_seconds) / out.rounds, out.accepted_hist.sum()
+
+    for drafter in drafters.values():
+        per_round(drafter)  # compile
+    times = {name: [] for name in drafters}
+    for _ in range(args.repeats):
+        for name, drafter in drafters.items():
+            seconds, _ = per_round(drafter)
+            times[name].append(seconds)
+    plain = statistics.median(times["plain decoding"])
+    print(f"# round cost in the loop: {args.model}, {args.max_new_tokens} new tokens, batch 1, median of "
+          f"{args.repeats}\n")
+    print("| round | ms | vs a plain step |")
+    print("|---|---:|---:|")
+    for name in drafters:
+        ms = statistics.median(times[name])
+        print(f"| {name} | {ms * 1e3:.2f} | {ms / plain:.3f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
