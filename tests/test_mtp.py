@@ -138,8 +138,9 @@ def test_drafts_equal_the_from_scratch_chain(checkpoints, family, layers, plan):
         state = dataclasses.replace(state, length=dataclasses.replace(state.length, num_tokens=jnp.array([drafts])))
         draft, state = draft_fn(loop, state, jax.random.key(round_index))
         assert int(draft.count[0]) == drafts
-        expected = np.argmax(np.asarray(mtp_chain_from_scratch(target, jnp.asarray(tokens[:, :length]))), -1)
-        np.testing.assert_array_equal(np.asarray(draft.tokens)[:, :drafts], expected[:, :drafts])
+        if drafts:  # (each length compiles the from-scratch chain anew: idle rounds skip it)
+            expected = np.argmax(np.asarray(mtp_chain_from_scratch(target, jnp.asarray(tokens[:, :length]))), -1)
+            np.testing.assert_array_equal(np.asarray(draft.tokens)[:, :drafts], expected[:, :drafts])
         checked += drafts
         # Verify by hand: the target reads [last, d_1..d_K]; commit `accepted` drafts and a correction token.
         block = np.concatenate([tokens[:, length - 1: length], np.asarray(draft.tokens)], axis=1)
