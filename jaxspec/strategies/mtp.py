@@ -76,7 +76,8 @@ class MtpDrafter(Drafter):
         )
 
     def prefill_chunk(self, ctx: Context, state: MtpState, chunk: PrefillChunk) -> MtpState:
-        """Every depth over the chunk's positions, so each row's entries below L-1 are valid from the start."""
+        """Every depth over the chunk's positions: each row's entries below its prompt length are committed ones
+        from the start (`synced`)."""
         main_hidden = _write(state.main_hidden, chunk.positions, chunk.hidden)
         caches, outputs = state.caches, state.outputs
         for depth in range(self.max_draft):
@@ -102,7 +103,7 @@ class MtpDrafter(Drafter):
         draft_logits = getattr(target, "draft_logits", target.logits)
         vocab = target.cfg.vocab_size
         carry = (state.caches, state.outputs, state.synced, sequence, loop.tokens,
-                 state.main_hidden[rows[:, None], jnp.clip(window - 1, 0, size - 1)],  # [B, K+1, D] depth 0's input
+                 _input_states(state.main_hidden, state.outputs, 0, window),  # [B, K+1, D] depth 0's input
                  jnp.zeros((), jnp.int32))
         drafts, probs = [], []
         for depth, step_rng in enumerate(jax.random.split(rng, k)):
