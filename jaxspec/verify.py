@@ -36,7 +36,7 @@ def verify(
     """-> (n_accepted [B], tokens [B, W])."""
     width = target_logits.shape[1]
     if width == 1:  # no drafts: a plain decoding step
-        return jnp.zeros(count.shape, jnp.int32), select(rng, target_logits[:, 0], do_sample)[:, None]
+        return jnp.zeros(count.shape, jnp.int32), select(rng, target_logits, do_sample)
     is_draft = jnp.arange(width - 1)[None, :] < count[:, None]  # [B, W-1]
     if not do_sample:
         return _verify_greedy(target_logits, drafts, is_draft, draft_probs, ensemble_weight)
