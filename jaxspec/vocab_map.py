@@ -6,12 +6,18 @@ space (`▁the` is b" the") and a byte-fallback piece `<0xNN>` as that one byte.
 lets a sentencepiece vocabulary meet a byte-level one, and it covers tokens that hold part of a UTF-8 character.
 Special tokens stand for no text.
 
-Three tables come out (jaxspec/strategies/universal.py runs them inside the compiled loop):
+The tables (jaxspec/strategies/universal.py runs them inside the compiled loop):
 
-- Drafts, `draft_source[t]`: the assistant token with exactly target token t's bytes, or -1. The assistant drafts
-  only such tokens (the intersection of the two vocabularies, as in token-level intersection speculative decoding);
-  where several ids of one vocabulary share their bytes, only one pairs up: a normal piece before a byte-fallback
-  piece, then the lowest id. Special tokens are never drafted.
+- Shared tokens, `draft_source[t]`: the assistant token with exactly target token t's bytes, or -1 (the
+  intersection of the two vocabularies); where several ids of one vocabulary share their bytes, only one pairs up:
+  a normal piece before a byte-fallback piece, then the lowest id. Special tokens pair up with nothing.
+- Drafts, in text. The assistant drafts in its own vocabulary; each drafted token is written in target tokens by
+  `spelling[a]` (the target tokenizer's encoding of its bytes, at most MAX_SPELLING tokens; a shared token spells as
+  its one target token), and adjacent target tokens are merged while their joined bytes are one target token
+  (`merges`, a hash table of (t1, t2) -> t12). That re-tokenizes the drafted text the way the target's BPE mostly
+  would: SmolLM2 writes `):` + `\n   ` where Qwen writes `):\n` + `   `, and drafting only shared tokens could
+  never propose the latter. An assistant token without a spelling (a special token the target lacks, bytes the
+  target cannot write, or too many pieces) is never drafted.
 - Context, `expansion(t)`: the assistant tokens that stand for target token t once the target commits it, in CSR
   form (`expansion_offsets`, `expansion_ids`). A drafted token expands to its draft source, so what the assistant
   read while drafting is what it reads when the token is committed. Any other token expands to the assistant's
@@ -30,8 +36,9 @@ How this departs from transformers (whose greedy path decodes and re-encodes a w
 context is the concatenation of per-token expansions, not a fresh encoding of the text, so where the target cuts a
 word that the assistant keeps whole (`hel` + `lo` against `hello`), the assistant reads a tokenization it would not
 have produced itself. The text is the same; only the assistant's predictions can be a little worse there, which
-lowers acceptance a little and never changes the output. Drafts are restricted to the intersection, so a word the
-assistant would spell with a token the target lacks is drafted as the next-best shared token instead.
+lowers acceptance a little and never changes the output. Drafts are re-tokenized by greedy merging, not by the
+target's BPE itself, so on rare words the drafted target tokens can differ from what the target writes (a miss,
+never a change of output); transformers re-encodes exactly but on the host, once per round.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from typing import Any, Sequence
 import numpy as np
 
 SPACE = "\u2581"  # sentencepiece's visible space
+MAX_SPELLING = 4  # target tokens one drafted assistant token may spell into (longer ones are not drafted)
 BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -227,6 +235,9 @@ class VocabMap:
     expansion_ids: np.ndarray  # [N] int32 assistant ids
     assistant_prefix: tuple[int, ...]  # what the assistant's tokenizer puts in front of a text (its BOS)
     inexpressible: int  # target tokens whose bytes the assistant cannot write
+    spelling: np.ndarray  # [V_a, MAX_SPELLING] int32 target ids of a drafted assistant token, -1 padded
+    spelled_alone: np.ndarray  # [V_a] bool: a is spelled by one target token whose expansion is [a] again
+    merges: "MergeTable"
 
     @property
     def max_expansion(self) -> int:
@@ -236,6 +247,11 @@ class VocabMap:
     def shared(self) -> int:
         """Target tokens the assistant can draft."""
         return int((self.draft_source >= 0).sum())
+
+    @property
+    def draftable(self) -> int:
+        """Assistant tokens the assistant may draft."""
+        return int((self.spelling[:, 0] >= 0).sum())
 
     def expansion(self, token: int) -> list[int]:
         return self.expansion_ids[self.expansion_offsets[token]: self.expansion_offsets[token + 1]].tolist()
@@ -300,8 +316,79 @@ def build(target_tokenizer, assistant_tokenizer, target_vocab_size: int, assista
     lengths = np.array([len(e) for e in expansions], np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     flat = np.array([i for e in expansions for i in e], np.int32)
+    spelling, spelled_alone = _spellings(target, assistant, draft_source)
     return VocabMap(target, assistant, encoder, draft_source, offsets, flat, _prefix(assistant_tokenizer),
-                    inexpressible)
+                    inexpressible, spelling, spelled_alone, MergeTable.build(target))
+
+
+def _spellings(target: Vocabulary, assistant: Vocabulary, draft_source: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[V_a, MAX_SPELLING] target ids per assistant token (see the module docstring), and which spell alone."""
+    spelling = np.full((assistant.size, MAX_SPELLING), -1, np.int32)
+    spelled_alone = np.zeros(assistant.size, bool)
+    shared = {int(a): t for t, a in enumerate(draft_source) if a >= 0}
+    target_specials = target.specials
+    rest = []
+    for a, text in enumerate(assistant.texts):
+        if a in shared:
+            spelling[a, 0], spelled_alone[a] = shared[a], True
+        elif text:
+            rest.append(a)
+    for text, a in assistant.specials.items():  # e.g. ChatML's <|im_end|>, the end of a drafted turn
+        if text in target_specials:  # and the target's special expands back to `a` (see `build`)
+            spelling[a, 0], spelled_alone[a] = target_specials[text], True
+    target_encoder = Encoder(target)
+    for a, ids in zip(rest, target_encoder.encode_many([assistant.texts[a] for a in rest])):
+        if 0 < len(ids) <= MAX_SPELLING and target.text_of(ids) == assistant.texts[a]:
+            spelling[a, : len(ids)] = ids
+    return spelling, spelled_alone
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeTable:
+    """(t1, t2) -> the target token whose bytes are t1's then t2's, as an open-addressing hash table the compiled
+    loop probes (jaxspec/strategies/universal.py `merge`): slot hash(t1, t2) + j for j < probes."""
+
+    first: np.ndarray  # [T] int32 t1 per slot, -1 empty
+    second: np.ndarray  # [T] int32 t2
+    merged: np.ndarray  # [T] int32 t12
+    probes: int  # the longest probe sequence of any key
+
+    @classmethod
+    def build(cls, vocabulary: Vocabulary) -> "MergeTable":
+        ids = vocabulary.canonical_ids()
+        pairs = [(ids[text[:cut]], ids[text[cut:]], token) for text, token in ids.items() if len(text) > 1
+                 for cut in range(1, len(text)) if text[:cut] in ids and text[cut:] in ids]
+        size = 1 << max(4, (2 * len(pairs) - 1).bit_length())  # load factor at most 1/2
+        first = np.full(size, -1, np.int32)
+        second, merged = np.zeros(size, np.int32), np.zeros(size, np.int32)
+        probes = 1
+        if pairs:
+            keys = np.array(pairs, np.int64)
+            slots = merge_hash(keys[:, 0].astype(np.uint32), keys[:, 1].astype(np.uint32), size)
+            for (t1, t2, t12), slot in zip(pairs, slots.tolist()):
+                j = 0
+                while first[(slot + j) & (size - 1)] >= 0:
+                    j += 1
+                at = (slot + j) & (size - 1)
+                first[at], second[at], merged[at] = t1, t2, t12
+                probes = max(probes, j + 1)
+        return cls(first, second, merged, probes)
+
+    def lookup(self, t1: int, t2: int) -> int:
+        """The host's reading of the table (tests compare the loop's with it)."""
+        slot = int(merge_hash(np.array([t1], np.uint32), np.array([t2], np.uint32), len(self.first))[0])
+        for j in range(self.probes):
+            at = (slot + j) & (len(self.first) - 1)
+            if self.first[at] == t1 and self.second[at] == t2:
+                return int(self.merged[at])
+        return -1
+
+
+def merge_hash(t1, t2, size: int, xp=np):
+    """The slot of a (t1, t2) key: uint32 arithmetic, which numpy and jax.numpy (`xp`) wrap the same way."""
+    mixed = (t1 * xp.uint32(0x9E3779B1)) ^ (t2 * xp.uint32(0x85EBCA77))
+    mixed = mixed ^ (mixed >> xp.uint32(15))
+    return (mixed & xp.uint32(size - 1)).astype(xp.int32)
 
 
 def _prefix(tokenizer) -> tuple[int, ...]:

@@ -118,6 +118,11 @@ def choose_strategy(model, *, do_sample: bool, prefill_chunk: int | None = None,
                     catch_up_width=prefill_chunk or default_prefill_chunk())
     pair = tokenizer_pair(model, source, arguments.get("tokenizer"), arguments.get("assistant_tokenizer"))
     if pair is not None:  # the assistant reads another vocabulary
+        if weight is not None:
+            raise NotImplementedError(
+                "assistant_ensemble_weight with an assistant of another tokenizer: its drafts are its text "
+                "re-tokenized for the target, with no draft distribution over the target's vocabulary to mix with "
+                "the target's. Use the ensemble with an assistant that shares the target's tokenizer.")
         return StrategyChoice("universal", universal_drafter(model, source, *pair, **settings), source)
     return StrategyChoice("speculative", DraftModelDrafter(**settings), source)
 

@@ -8,14 +8,24 @@ assistant once per call (`for_prompts`). Inside the loop the assistant lives in 
   tokens of the target tokens committed since the last round (`expansion(t)`, at most K+1 target tokens, each at
   most `max_expansion` assistant tokens), then catches its cache up on them (DraftModelDrafter's scheme, in the
   assistant's positions).
-- Drafts. The assistant's logits are read over the target's vocabulary through `draft_source`: target token t
-  gets the logit of the assistant token with t's bytes, and every other target token -inf. Drafting is therefore
-  restricted to the shared tokens and q is renormalised over them; the target's processors then apply as for any
-  assistant (AutoregressiveDrafter's step loop, schedule and confidence stop), so q is the exact distribution the
-  drafts were drawn from, zero outside the shared tokens, and speculative sampling stays exact. Greedy drafts are
-  the argmax over the shared tokens, verified by the target as any draft is: greedy output is plain greedy's.
-- Rollback. A drafted token expands to its own draft source, so after verification the cache entries of the
-  accepted drafts stay valid: rollback lowers `synced` to the last accepted draft, a length as elsewhere.
+- Drafts, as text. The assistant drafts its own greedy tokens over its whole vocabulary. Each one is written in
+  target tokens (`spelling`), and adjacent target tokens are merged while their joined bytes are one target token
+  (`merge`), so the drafted text reaches the target tokenized roughly as the target would write it. A row stops
+  after `limit` target tokens (the schedule's length), after a token the assistant is not confident of, after an
+  EOS, or before an assistant token the target cannot write. At most 2K assistant steps run per round.
+- Verification. The drafts are a deterministic function of the assistant's context, so they are verified as
+  one-hot drafts (accept d with probability p(d); after a rejection draw from p without d), which keeps sampling
+  exact whatever drafted them, and greedy output equal to plain greedy. The target's logits processors judge the
+  drafts as they judge any token; the assistant's own choice is not processed.
+- Rollback. The assistant's cache stays valid for the leading drafts that are one shared token each, not merged
+  (a drafted assistant token that is also what the committed target token expands to); past them the committed
+  tokens' expansions can differ from what the assistant drafted, so `synced` stops there and the next round's
+  catch-up rewrites the rest (a block of 2 or 8 positions).
+
+How this departs from the token-level intersection (drafting only tokens both vocabularies share, with q
+renormalised over them): where the target writes a token the assistant spells in pieces (Qwen's `):\n` against
+SmolLM2's `):` + `\n   `), the intersection cannot propose it at all; text drafts can. The price is that sampled
+drafts are judged one-hot, as prompt lookup's are, instead of by min(1, p/q).
 
 A row whose assistant buffer would overflow (expansions far longer than its text) stops drafting; decoding then
 goes on plainly for that row.
@@ -31,13 +41,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import inplace
-from ..vocab_map import VocabMap, same_vocabulary, vocab_map
-from .base import Context, DecodeState, DraftLength, RoundResult
+from ..verify import leading_true
+from ..vocab_map import MAX_SPELLING, VocabMap, merge_hash, same_vocabulary, vocab_map
+from .base import Context, DecodeState, Draft, DraftLength, RoundResult
 from .draft_model import AutoregressiveDrafter, catch_up
 
 CATCH_UP_WIDTHS = (2, 8)  # block widths of the catch-up after a round; the prefill chunk width when far behind
 MIN_ASSISTANT_BUFFER = 256
 ASSISTANT_ROOM = 1.5  # assistant buffer room per target position of generation room (expansions are ~1 token)
+STEPS_PER_DRAFT = 2  # assistant steps a round may run per target draft (merged steps add no target token)
+MERGE_CASCADE = 2  # merges tried per pushed target token (`):` + `\n` -> `):\n`, then with the token before)
 
 
 def tokenizer_pair(target, assistant, tokenizer=None, assistant_tokenizer=None):
@@ -66,7 +79,8 @@ def tokenizer_pair(target, assistant, tokenizer=None, assistant_tokenizer=None):
 def universal_drafter(target, assistant, target_tokenizer, assistant_tokenizer, **settings) -> "UniversalDrafter":
     """The drafter for an assistant with another tokenizer (tables built once per tokenizer pair)."""
     tables = vocab_map(target_tokenizer, assistant_tokenizer, target.config.vocab_size, assistant.config.vocab_size)
-    return UniversalDrafter(vocab_map=tables, max_expansion=tables.max_expansion, **settings)
+    return UniversalDrafter(vocab_map=tables, max_expansion=tables.max_expansion, merge_probes=tables.merges.probes,
+                            **settings | {"keep_probs": False})  # one-hot drafts: no q to keep
 
 
 @jax.tree_util.register_dataclass
@@ -83,6 +97,7 @@ class UniversalState:
 @dataclasses.dataclass(frozen=True)
 class UniversalDrafter(AutoregressiveDrafter):
     max_expansion: int = 1  # static: the longest expansion of a target token, in assistant tokens
+    merge_probes: int = 1  # static: the longest probe sequence of the merge table
     catch_up_width: int = 64
     vocab_map: VocabMap | None = dataclasses.field(default=None, compare=False)
     # Set per call by `for_prompts` (run-time inputs, so a new prompt of the same bucket does not recompile).
@@ -103,8 +118,11 @@ class UniversalDrafter(AutoregressiveDrafter):
         return dataclasses.replace(self, prompt_inputs=inputs)
 
     def runtime_inputs(self) -> dict[str, np.ndarray]:
-        tables = {"draft_source": self.vocab_map.draft_source, "expansion_offsets": self.vocab_map.expansion_offsets,
-                  "expansion_ids": self.vocab_map.expansion_ids}
+        tables = self.vocab_map
+        tables = {"spelling": tables.spelling, "spelled_alone": tables.spelled_alone,
+                  "merge_first": tables.merges.first, "merge_second": tables.merges.second,
+                  "merge_merged": tables.merges.merged,
+                  "expansion_offsets": tables.expansion_offsets, "expansion_ids": tables.expansion_ids}
         return super().runtime_inputs() | tables | self.prompt_inputs
 
     def init(self, ctx: Context, batch: int, size: int) -> UniversalState:
@@ -115,29 +133,23 @@ class UniversalDrafter(AutoregressiveDrafter):
                               synced=jnp.zeros((batch,), jnp.int32),
                               schedule=self.schedule.init(batch, inputs["initial_draft_length"]))
 
+    @property
+    def max_steps(self) -> int:
+        return STEPS_PER_DRAFT * self.max_draft
+
     def draft(self, ctx: Context, loop: DecodeState, state: UniversalState, rng):
         state = self._expand(ctx, loop, state)
         size_a = state.tokens.shape[1]
-        fits = state.length + self.max_draft < size_a  # the drafts fed back must fit the buffer too
+        fits = state.length + self.max_steps < size_a  # the drafts fed back must fit the buffer too
         limit = jnp.where(fits & (state.length > 0), self.draft_limit(loop, state.schedule), 0)
-        source = ctx.draft_inputs["draft_source"]  # [V]
-
-        def over_target_vocabulary(logits):  # [B, V_a] -> [B, V], -inf where the assistant cannot draft
-            return jnp.where(source >= 0, jnp.take(logits, jnp.maximum(source, 0), axis=-1), -jnp.inf)
 
         def run(state: UniversalState):
             # Rows that cannot draft any more are not caught up.
             target_length = jnp.where(fits, state.length, state.synced)
             logits, cache, catch_up_forwards = catch_up(ctx.assistant, state.tokens, state.synced, target_length,
                                                         state.cache, (*CATCH_UP_WIDTHS, self.catch_up_width))
-
-            def feed(cache, token, positions, slot):  # draft `slot` sits at assistant position length - 1 + slot
-                positions = (state.length - 1 + slot)[:, None]
-                logits, _, cache = ctx.assistant(jnp.maximum(source[token], 0)[:, None], positions, cache)
-                return over_target_vocabulary(logits[:, 0]), cache
-
-            draft, cache, feeds = self.draft_loop(ctx, loop, limit, over_target_vocabulary(logits), feed, cache, rng)
-            synced = jnp.where(fits, state.length + jnp.maximum(draft.count - 1, 0), state.synced)
+            draft, cache, valid, feeds = self._draft_text(ctx, state.length, limit, logits, cache)
+            synced = jnp.where(fits, state.length + valid, state.synced)
             return dataclasses.replace(state, cache=cache, synced=synced), (draft, catch_up_forwards + feeds)
 
         def skip(state: UniversalState):
@@ -145,6 +157,69 @@ class UniversalDrafter(AutoregressiveDrafter):
 
         state, (draft, forwards) = inplace.cond(jnp.any(limit > 0), run, skip, state)
         return draft, state, forwards, loop.cache
+
+    def _draft_text(self, ctx: Context, length, limit, first_logits, cache):
+        """Draft up to `limit` [B] target tokens per row from the assistant's greedy tokens, starting from its
+        logits at position length - 1 ([B, V_a]). -> (Draft, cache, valid [B], feeds): the assistant's cache holds
+        its context and drafts at [length, length + valid) that committed drafts keep valid (module docstring)."""
+        inputs = ctx.draft_inputs
+        spelling, alone = inputs["spelling"], inputs["spelled_alone"]  # [V_a, M], [V_a]
+        k, batch = self.max_draft, limit.shape[0]
+        width = k + MAX_SPELLING  # room for the last step's pieces past the limit; they are cut
+        rows = jnp.arange(batch)
+
+        def push(drafts, alone_slots, count, token, pushed, token_alone):
+            """Append target token [B] to rows where `pushed`, merging it into the drafts before it."""
+            merged_any = jnp.zeros_like(pushed)
+            for _ in range(MERGE_CASCADE):
+                previous = jnp.take_along_axis(drafts, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+                merged = self._merge(inputs, previous, token)
+                merging = pushed & (count > 0) & (merged >= 0)
+                token, count, merged_any = jnp.where(merging, merged, token), count - merging, merged_any | merging
+            at = jnp.where(pushed, count, width)  # rows not pushing write past the buffer: dropped
+            drafts = drafts.at[rows, at].set(token, mode="drop")
+            alone_slots = alone_slots.at[rows, at].set(token_alone & ~merged_any, mode="drop")
+            return drafts, alone_slots, count + pushed
+
+        def step(carry):
+            i, cache, logits, drafts, alone_slots, count, active, fed = carry
+            choice = jnp.argmax(logits, axis=-1)  # [B] the assistant's token
+            confident = jax.nn.softmax(logits, axis=-1)[rows, choice] >= inputs["confidence_threshold"]
+            pieces = spelling[choice]  # [B, M]
+            active = active & (pieces[:, 0] >= 0)  # a token the target cannot write ends the row's draft
+            for j in range(MAX_SPELLING):
+                drafts, alone_slots, count = push(drafts, alone_slots, count, pieces[:, j],
+                                                  active & (pieces[:, j] >= 0), alone[choice])
+            last = jnp.take_along_axis(drafts, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+            active = active & confident & ~ctx.is_eos(last) & (count < limit)
+            go_on = jnp.any(active) & (i + 1 < self.max_steps)
+
+            def feed(cache):  # the next draft needs this one run through the assistant, at position length + i
+                next_logits, _, cache = ctx.assistant(choice[:, None], (length + i)[:, None], cache)
+                return cache, next_logits[:, 0]
+
+            cache, logits = inplace.cond(go_on, feed, lambda cache: (cache, logits), cache)
+            return i + 1, cache, logits, drafts, alone_slots, count, active, fed + (active & go_on)
+
+        zeros = jnp.zeros((batch,), jnp.int32)
+        start = (0, cache, first_logits, jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch, width), bool),
+                 zeros, limit > 0, zeros)
+        steps, cache, _, drafts, alone_slots, count, _, fed = jax.lax.while_loop(
+            lambda c: (c[0] < self.max_steps) & jnp.any(c[6]), step, start)
+        count = jnp.minimum(count, limit)
+        # Draft j of the all-alone prefix is assistant step j's token, fed at position length + j.
+        alone_prefix = leading_true(alone_slots[:, :k] & (jnp.arange(k)[None, :] < count[:, None]))
+        feeds = jnp.maximum(steps - 1, 0)
+        return Draft(tokens=drafts[:, :k], count=count), cache, jnp.minimum(alone_prefix, fed), feeds
+
+    def _merge(self, inputs, first: jax.Array, second: jax.Array) -> jax.Array:
+        """[B] the target token whose bytes are `first`'s then `second`'s, or -1 (vocab_map.MergeTable)."""
+        table_first, table_second, table_merged = inputs["merge_first"], inputs["merge_second"], inputs["merge_merged"]
+        size = table_first.shape[0]
+        slot = merge_hash(first.astype(jnp.uint32), second.astype(jnp.uint32), size, jnp)
+        at = (slot[:, None] + jnp.arange(self.merge_probes)[None, :]) & (size - 1)  # [B, P]
+        hit = (table_first[at] == first[:, None]) & (table_second[at] == second[:, None])
+        return jnp.max(jnp.where(hit, table_merged[at], -1), axis=1)
 
     def _expand(self, ctx: Context, loop: DecodeState, state: UniversalState) -> UniversalState:
         """Append the expansions of the target tokens committed since the last round, [expanded, L).
