@@ -27,15 +27,18 @@ The tables (jaxspec/strategies/universal.py runs them inside the compiled loop):
   token with the same text (both ChatML vocabularies have `<|im_start|>`), else to nothing, as transformers drops
   special tokens when it decodes. The bytes of the expansion always equal the bytes of the token when the
   assistant can write them (`inexpressible` counts those it cannot, e.g. a vocabulary without byte fallback).
+  In the loop, each expansion's first token is merged into the token before it while their joined bytes are one
+  assistant token (`assistant_merges`): Qwen's `):\n` + `   ` expands to `):` + `\n` + `   `, which SmolLM2 reads
+  as `):` + `\n   `, as its own tokenizer writes it.
 - The prompt, `assistant_prompt(ids)`: decoded from the target's ids and encoded by the assistant's tokenizer,
   once per call, with the assistant's own BOS. The text before the first special token is decoded as the target's
   tokenizer decodes a text start (a sentencepiece tokenizer drops the space it added in front), and encoded as the
   assistant's tokenizer encodes a text start; later runs of text are encoded in continuation form.
 
 How this departs from transformers (whose greedy path decodes and re-encodes a window of text every round): the
-context is the concatenation of per-token expansions, not a fresh encoding of the text, so where the target cuts a
-word that the assistant keeps whole (`hel` + `lo` against `hello`), the assistant reads a tokenization it would not
-have produced itself. The text is the same; only the assistant's predictions can be a little worse there, which
+context is the concatenation of per-token expansions merged at their boundaries, not a fresh encoding of the text,
+so where greedy merging and the assistant's BPE disagree, the assistant reads a tokenization it would not have
+produced itself. The text is the same; only the assistant's predictions can be a little worse there, which
 lowers acceptance a little and never changes the output. Drafts are re-tokenized by greedy merging, not by the
 target's BPE itself, so on rare words the drafted target tokens can differ from what the target writes (a miss,
 never a change of output); transformers re-encodes exactly but on the host, once per round.
@@ -237,7 +240,8 @@ class VocabMap:
     inexpressible: int  # target tokens whose bytes the assistant cannot write
     spelling: np.ndarray  # [V_a, MAX_SPELLING] int32 target ids of a drafted assistant token, -1 padded
     spelled_alone: np.ndarray  # [V_a] bool: a is spelled by one target token whose expansion is [a] again
-    merges: "MergeTable"
+    merges: "MergeTable"  # the target's: drafted target tokens merge
+    assistant_merges: "MergeTable"  # the assistant's: committed tokens' expansions merge at their boundaries
 
     @property
     def max_expansion(self) -> int:
@@ -318,7 +322,7 @@ def build(target_tokenizer, assistant_tokenizer, target_vocab_size: int, assista
     flat = np.array([i for e in expansions for i in e], np.int32)
     spelling, spelled_alone = _spellings(target, assistant, draft_source)
     return VocabMap(target, assistant, encoder, draft_source, offsets, flat, _prefix(assistant_tokenizer),
-                    inexpressible, spelling, spelled_alone, MergeTable.build(target))
+                    inexpressible, spelling, spelled_alone, MergeTable.build(target), MergeTable.build(assistant))
 
 
 def _spellings(target: Vocabulary, assistant: Vocabulary, draft_source: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -80,6 +80,7 @@ def universal_drafter(target, assistant, target_tokenizer, assistant_tokenizer, 
     """The drafter for an assistant with another tokenizer (tables built once per tokenizer pair)."""
     tables = vocab_map(target_tokenizer, assistant_tokenizer, target.config.vocab_size, assistant.config.vocab_size)
     return UniversalDrafter(vocab_map=tables, max_expansion=tables.max_expansion, merge_probes=tables.merges.probes,
+                            assistant_merge_probes=tables.assistant_merges.probes,
                             **settings | {"keep_probs": False})  # one-hot drafts: no q to keep
 
 
@@ -97,7 +98,8 @@ class UniversalState:
 @dataclasses.dataclass(frozen=True)
 class UniversalDrafter(AutoregressiveDrafter):
     max_expansion: int = 1  # static: the longest expansion of a target token, in assistant tokens
-    merge_probes: int = 1  # static: the longest probe sequence of the merge table
+    merge_probes: int = 1  # static: the longest probe sequence of the target's merge table
+    assistant_merge_probes: int = 1  # ... and of the assistant's
     catch_up_width: int = 64
     vocab_map: VocabMap | None = dataclasses.field(default=None, compare=False)
     # Set per call by `for_prompts` (run-time inputs, so a new prompt of the same bucket does not recompile).
@@ -120,9 +122,9 @@ class UniversalDrafter(AutoregressiveDrafter):
     def runtime_inputs(self) -> dict[str, np.ndarray]:
         tables = self.vocab_map
         tables = {"spelling": tables.spelling, "spelled_alone": tables.spelled_alone,
-                  "merge_first": tables.merges.first, "merge_second": tables.merges.second,
-                  "merge_merged": tables.merges.merged,
-                  "expansion_offsets": tables.expansion_offsets, "expansion_ids": tables.expansion_ids}
+                  "expansion_offsets": tables.expansion_offsets, "expansion_ids": tables.expansion_ids,
+                  **merge_inputs("target_merges", tables.merges), **merge_inputs("assistant_merges",
+                                                                                 tables.assistant_merges)}
         return super().runtime_inputs() | tables | self.prompt_inputs
 
     def init(self, ctx: Context, batch: int, size: int) -> UniversalState:
@@ -168,19 +170,6 @@ class UniversalDrafter(AutoregressiveDrafter):
         width = k + MAX_SPELLING  # room for the last step's pieces past the limit; they are cut
         rows = jnp.arange(batch)
 
-        def push(drafts, alone_slots, count, token, pushed, token_alone):
-            """Append target token [B] to rows where `pushed`, merging it into the drafts before it."""
-            merged_any = jnp.zeros_like(pushed)
-            for _ in range(MERGE_CASCADE):
-                previous = jnp.take_along_axis(drafts, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
-                merged = self._merge(inputs, previous, token)
-                merging = pushed & (count > 0) & (merged >= 0)
-                token, count, merged_any = jnp.where(merging, merged, token), count - merging, merged_any | merging
-            at = jnp.where(pushed, count, width)  # rows not pushing write past the buffer: dropped
-            drafts = drafts.at[rows, at].set(token, mode="drop")
-            alone_slots = alone_slots.at[rows, at].set(token_alone & ~merged_any, mode="drop")
-            return drafts, alone_slots, count + pushed
-
         def step(carry):
             i, cache, logits, drafts, alone_slots, count, active, fed = carry
             choice = jnp.argmax(logits, axis=-1)  # [B] the assistant's token
@@ -188,8 +177,8 @@ class UniversalDrafter(AutoregressiveDrafter):
             pieces = spelling[choice]  # [B, M]
             active = active & (pieces[:, 0] >= 0)  # a token the target cannot write ends the row's draft
             for j in range(MAX_SPELLING):
-                drafts, alone_slots, count = push(drafts, alone_slots, count, pieces[:, j],
-                                                  active & (pieces[:, j] >= 0), alone[choice])
+                drafts, alone_slots, count = push_draft(inputs, self.merge_probes, drafts, alone_slots, count,
+                                                        pieces[:, j], active & (pieces[:, j] >= 0), alone[choice])
             last = jnp.take_along_axis(drafts, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
             active = active & confident & ~ctx.is_eos(last) & (count < limit)
             go_on = jnp.any(active) & (i + 1 < self.max_steps)
@@ -212,37 +201,44 @@ class UniversalDrafter(AutoregressiveDrafter):
         feeds = jnp.maximum(steps - 1, 0)
         return Draft(tokens=drafts[:, :k], count=count), cache, jnp.minimum(alone_prefix, fed), feeds
 
-    def _merge(self, inputs, first: jax.Array, second: jax.Array) -> jax.Array:
-        """[B] the target token whose bytes are `first`'s then `second`'s, or -1 (vocab_map.MergeTable)."""
-        table_first, table_second, table_merged = inputs["merge_first"], inputs["merge_second"], inputs["merge_merged"]
-        size = table_first.shape[0]
-        slot = merge_hash(first.astype(jnp.uint32), second.astype(jnp.uint32), size, jnp)
-        at = (slot[:, None] + jnp.arange(self.merge_probes)[None, :]) & (size - 1)  # [B, P]
-        hit = (table_first[at] == first[:, None]) & (table_second[at] == second[:, None])
-        return jnp.max(jnp.where(hit, table_merged[at], -1), axis=1)
-
     def _expand(self, ctx: Context, loop: DecodeState, state: UniversalState) -> UniversalState:
         """Append the expansions of the target tokens committed since the last round, [expanded, L).
 
-        At most K+1 tokens: the prefill commits one, and each round at most K+1, and this runs every round.
+        At most K+1 tokens: the prefill commits one, and each round at most K+1, and this runs every round. Each
+        expansion's first token is merged into the token before it while their joined bytes are one assistant token
+        (`\n` + `   ` -> `\n   `), so the assistant reads code as its own tokenizer writes it, not as the target
+        cut it; a merge into a position its cache holds lowers `synced` there.
         """
         inputs = ctx.draft_inputs
         offsets, flat = inputs["expansion_offsets"], inputs["expansion_ids"]
         batch, size = loop.tokens.shape
         size_a = state.tokens.shape[1]
+        rows = jnp.arange(batch)
         window = state.expanded[:, None] + jnp.arange(self.max_draft + 1)[None, :]  # [B, K+1] target positions
         new = window < loop.lengths[:, None]
         tokens = jnp.take_along_axis(loop.tokens, jnp.clip(window, 0, size - 1), axis=1)
         start = offsets[tokens]
         count = jnp.where(new, offsets[tokens + 1] - start, 0)  # [B, K+1] assistant tokens per target token
-        ends = jnp.cumsum(count, axis=1)
-        piece = jnp.arange(self.max_expansion)[None, None, :]  # [1, 1, M]
+        piece = jnp.arange(self.max_expansion)  # [M]
         ids = flat[jnp.clip(start[..., None] + piece, 0, flat.shape[0] - 1)]  # [B, K+1, M]
-        at = state.length[:, None, None] + (ends - count)[..., None] + piece
-        at = jnp.where(piece < count[..., None], at, size_a)  # padding pieces land past the buffer: dropped
-        rows = jnp.arange(batch)[:, None, None]
-        buffer = state.tokens.at[rows, at].set(ids, mode="drop")
-        return dataclasses.replace(state, tokens=buffer, length=state.length + ends[:, -1], expanded=loop.lengths)
+
+        def append(j, carry):
+            buffer, length, synced = carry
+            pieces, n = ids[:, j], count[:, j]  # [B, M], [B]
+            first = pieces[:, 0]
+            for _ in range(MERGE_CASCADE):
+                previous = buffer[rows, jnp.maximum(length - 1, 0)]
+                merged = merge(inputs, "assistant_merges", self.assistant_merge_probes, previous, first)
+                merging = (n > 0) & (length > 0) & (merged >= 0)
+                first, length = jnp.where(merging, merged, first), length - merging
+                synced = jnp.where(merging, jnp.minimum(synced, length), synced)
+            at = jnp.where(piece[None, :] < n[:, None], length[:, None] + piece[None, :], size_a)  # padding: dropped
+            buffer = buffer.at[rows[:, None], at].set(pieces.at[:, 0].set(first), mode="drop")
+            return buffer, length + n, synced
+
+        buffer, length, synced = jax.lax.fori_loop(0, self.max_draft + 1, append,
+                                                   (state.tokens, state.length, state.synced))
+        return dataclasses.replace(state, tokens=buffer, length=length, synced=synced, expanded=loop.lengths)
 
     def update(self, ctx: Context, state: UniversalState, result: RoundResult) -> UniversalState:
         # The accepted drafts are committed as their draft sources, which sit at length, length + 1, ...: those
@@ -253,3 +249,35 @@ class UniversalDrafter(AutoregressiveDrafter):
 
     def summary(self, state: UniversalState) -> dict[str, jax.Array]:
         return {"num_assistant_tokens": state.schedule.num_tokens, "assistant_length": state.length}
+
+
+def push_draft(inputs, probes: int, drafts, alone_slots, count, token, pushed, token_alone):
+    """Append target token [B] to the drafts [B, W] of the rows where `pushed`, merged into the drafts before it
+    while their joined bytes are one target token. `alone_slots` [B, W] marks drafts that are one assistant token
+    standing alone (not merged); `count` [B] is each row's number of drafts. -> (drafts, alone_slots, count)."""
+    rows = jnp.arange(drafts.shape[0])
+    merged_any = jnp.zeros_like(pushed)
+    for _ in range(MERGE_CASCADE):
+        previous = jnp.take_along_axis(drafts, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+        merged = merge(inputs, "target_merges", probes, previous, token)
+        merging = pushed & (count > 0) & (merged >= 0)
+        token, count, merged_any = jnp.where(merging, merged, token), count - merging, merged_any | merging
+    at = jnp.where(pushed, count, drafts.shape[1])  # rows not pushing write past the buffer: dropped
+    drafts = drafts.at[rows, at].set(token, mode="drop")
+    alone_slots = alone_slots.at[rows, at].set(token_alone & ~merged_any, mode="drop")
+    return drafts, alone_slots, count + pushed
+
+
+def merge_inputs(prefix: str, table) -> dict[str, np.ndarray]:
+    """A vocab_map.MergeTable as run-time inputs of the loop."""
+    return {f"{prefix}_first": table.first, f"{prefix}_second": table.second, f"{prefix}_merged": table.merged}
+
+
+def merge(inputs, prefix: str, probes: int, first: jax.Array, second: jax.Array) -> jax.Array:
+    """[B] the token whose bytes are `first`'s then `second`'s, or -1: a probe of the merge table `prefix`."""
+    table_first, table_second = inputs[f"{prefix}_first"], inputs[f"{prefix}_second"]
+    size = table_first.shape[0]
+    slot = merge_hash(first.astype(jnp.uint32), second.astype(jnp.uint32), size, jnp)
+    at = (slot[:, None] + jnp.arange(probes)[None, :]) & (size - 1)  # [B, P]
+    hit = (table_first[at] == first[:, None]) & (table_second[at] == second[:, None])
+    return jnp.max(jnp.where(hit, inputs[f"{prefix}_merged"][at], -1), axis=1)
