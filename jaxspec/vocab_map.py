@@ -56,6 +56,7 @@ import numpy as np
 
 SPACE = "\u2581"  # sentencepiece's visible space
 MAX_SPELLING = 4  # target tokens one drafted assistant token may spell into (longer ones are not drafted)
+MAX_HEAL_EXTENSIONS = 128  # a whitespace token with more tokens that extend it (" ") is not healed
 BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -240,6 +241,7 @@ class VocabMap:
     inexpressible: int  # target tokens whose bytes the assistant cannot write
     spelling: np.ndarray  # [V_a, MAX_SPELLING] int32 target ids of a drafted assistant token, -1 padded
     spelled_alone: np.ndarray  # [V_a] bool: a is spelled by one target token whose expansion is [a] again
+    healing: "Healing"
     merges: "MergeTable"  # the target's: drafted target tokens merge
     assistant_merges: "MergeTable"  # the assistant's: committed tokens' expansions merge at their boundaries
 
@@ -322,7 +324,8 @@ def build(target_tokenizer, assistant_tokenizer, target_vocab_size: int, assista
     flat = np.array([i for e in expansions for i in e], np.int32)
     spelling, spelled_alone = _spellings(target, assistant, draft_source)
     return VocabMap(target, assistant, encoder, draft_source, offsets, flat, _prefix(assistant_tokenizer),
-                    inexpressible, spelling, spelled_alone, MergeTable.build(target), MergeTable.build(assistant))
+                    inexpressible, spelling, spelled_alone, Healing.build(target, assistant),
+                    MergeTable.build(target), MergeTable.build(assistant))
 
 
 def _spellings(target: Vocabulary, assistant: Vocabulary, draft_source: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -345,6 +348,49 @@ def _spellings(target: Vocabulary, assistant: Vocabulary, draft_source: np.ndarr
         if 0 < len(ids) <= MAX_SPELLING and target.text_of(ids) == assistant.texts[a]:
             spelling[a, : len(ids)] = ids
     return spelling, spelled_alone
+
+
+@dataclasses.dataclass(frozen=True)
+class Healing:
+    """Whitespace the assistant's context ends with, redrafted whole (token healing).
+
+    The target cuts code as `):\n` + `    return`, the assistant as `):` + `\n   ` + ` return`. Once the target has
+    committed `):\n`, the assistant's context ends with a bare `\n`, which in its own tokenization means "a line
+    with no indentation follows", so it drafts e.g. a closing fence. A row whose context ends with a healable
+    whitespace token h therefore drafts its first token at h's position instead, among the tokens that extend h
+    (`\n`, `\n   `, `\n       `, ...), and drafts only the bytes past h (`suffix_spelling`, in target tokens).
+    """
+
+    index: np.ndarray  # [V_a] int32: the healable token's row in the tables below, or -1
+    extensions: np.ndarray  # [H, E] int32 assistant tokens whose bytes start with h's (h itself first), -1 padded
+    suffix_spelling: np.ndarray  # [H, E, MAX_SPELLING] int32 target tokens of the bytes past h, -1 padded
+    spellable: np.ndarray  # [H, E] bool: the suffix has a spelling (an empty one for h itself)
+
+    @classmethod
+    def build(cls, target: Vocabulary, assistant: Vocabulary) -> "Healing":
+        ids = assistant.canonical_ids()
+        longer: dict[bytes, list[int]] = {}
+        for text, token in ids.items():
+            for cut in range(1, len(text)):
+                if text[:cut] in ids and not text[:cut].strip():
+                    longer.setdefault(text[:cut], []).append(token)
+        healed = sorted((text, tokens) for text, tokens in longer.items() if len(tokens) < MAX_HEAL_EXTENSIONS)
+        index = np.full(assistant.size, -1, np.int32)
+        width = 1 + max((len(tokens) for _, tokens in healed), default=0)
+        extensions = np.full((max(len(healed), 1), width), -1, np.int32)
+        suffix_spelling = np.full((*extensions.shape, MAX_SPELLING), -1, np.int32)
+        spellable = np.zeros(extensions.shape, bool)
+        encoder = Encoder(target)
+        for row, (text, tokens) in enumerate(healed):
+            index[ids[text]] = row
+            extensions[row, 0], spellable[row, 0] = ids[text], True
+            suffixes = encoder.encode_many([assistant.texts[t][len(text):] for t in tokens])
+            for column, (token, pieces) in enumerate(zip(tokens, suffixes), start=1):
+                extensions[row, column] = token
+                if len(pieces) <= MAX_SPELLING and target.text_of(pieces) == assistant.texts[token][len(text):]:
+                    suffix_spelling[row, column, : len(pieces)] = pieces
+                    spellable[row, column] = True
+        return cls(index, extensions, suffix_spelling, spellable)
 
 
 @dataclasses.dataclass(frozen=True)

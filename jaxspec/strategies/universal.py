@@ -123,6 +123,8 @@ class UniversalDrafter(AutoregressiveDrafter):
         tables = self.vocab_map
         tables = {"spelling": tables.spelling, "spelled_alone": tables.spelled_alone,
                   "expansion_offsets": tables.expansion_offsets, "expansion_ids": tables.expansion_ids,
+                  "heal_index": tables.healing.index, "heal_extensions": tables.healing.extensions,
+                  "heal_suffix_spelling": tables.healing.suffix_spelling, "heal_spellable": tables.healing.spellable,
                   **merge_inputs("target_merges", tables.merges), **merge_inputs("assistant_merges",
                                                                                  tables.assistant_merges)}
         return super().runtime_inputs() | tables | self.prompt_inputs
@@ -145,13 +147,21 @@ class UniversalDrafter(AutoregressiveDrafter):
         fits = state.length + self.max_steps < size_a  # the drafts fed back must fit the buffer too
         limit = jnp.where(fits & (state.length > 0), self.draft_limit(loop, state.schedule), 0)
 
+        # A row whose context ends with healable whitespace drafts its first token at that token's position.
+        last = jnp.take_along_axis(state.tokens, jnp.maximum(state.length - 1, 0)[:, None], axis=1)[:, 0]
+        heal_row = ctx.draft_inputs["heal_index"][last]  # [B]
+        healing = (heal_row >= 0) & (limit > 0) & (state.length > 1)
+        start = state.length - healing  # the position of the first drafted assistant token
+
         def run(state: UniversalState):
-            # Rows that cannot draft any more are not caught up.
-            target_length = jnp.where(fits, state.length, state.synced)
-            logits, cache, catch_up_forwards = catch_up(ctx.assistant, state.tokens, state.synced, target_length,
+            # Rows that cannot draft any more are not caught up; the others need the logits at start - 1.
+            target_length = jnp.where(fits, start, state.synced)
+            synced = jnp.where(fits, jnp.minimum(state.synced, start - 1), state.synced)
+            logits, cache, catch_up_forwards = catch_up(ctx.assistant, state.tokens, synced, target_length,
                                                         state.cache, (*CATCH_UP_WIDTHS, self.catch_up_width))
-            draft, cache, valid, feeds = self._draft_text(ctx, state.length, limit, logits, cache)
-            synced = jnp.where(fits, state.length + valid, state.synced)
+            draft, cache, valid, feeds = self._draft_text(ctx, start, limit, logits, cache,
+                                                          jnp.where(healing, heal_row, -1))
+            synced = jnp.where(fits, start + valid, synced)
             return dataclasses.replace(state, cache=cache, synced=synced), (draft, catch_up_forwards + feeds)
 
         def skip(state: UniversalState):
@@ -160,12 +170,15 @@ class UniversalDrafter(AutoregressiveDrafter):
         state, (draft, forwards) = inplace.cond(jnp.any(limit > 0), run, skip, state)
         return draft, state, forwards, loop.cache
 
-    def _draft_text(self, ctx: Context, length, limit, first_logits, cache):
-        """Draft up to `limit` [B] target tokens per row from the assistant's greedy tokens, starting from its
-        logits at position length - 1 ([B, V_a]). -> (Draft, cache, valid [B], feeds): the assistant's cache holds
-        its context and drafts at [length, length + valid) that committed drafts keep valid (module docstring)."""
+    def _draft_text(self, ctx: Context, start, limit, first_logits, cache, heal_row):
+        """Draft up to `limit` [B] target tokens per row from the assistant's greedy tokens, the first at assistant
+        position `start` [B], from its logits at start - 1 ([B, V_a]). A row with `heal_row` >= 0 replaces the
+        token at `start` with one that extends it (vocab_map.Healing) and drafts the bytes past it.
+        -> (Draft, cache, valid [B], feeds): the assistant's cache holds its context and drafts at
+        [start, start + valid) that committed drafts keep valid (module docstring)."""
         inputs = ctx.draft_inputs
         spelling, alone = inputs["spelling"], inputs["spelled_alone"]  # [V_a, M], [V_a]
+        extensions = inputs["heal_extensions"][jnp.maximum(heal_row, 0)]  # [B, E]
         k, batch = self.max_draft, limit.shape[0]
         width = k + MAX_SPELLING  # room for the last step's pieces past the limit; they are cut
         rows = jnp.arange(batch)
@@ -173,30 +186,44 @@ class UniversalDrafter(AutoregressiveDrafter):
         def step(carry):
             i, cache, logits, drafts, alone_slots, count, active, fed = carry
             choice = jnp.argmax(logits, axis=-1)  # [B] the assistant's token
-            confident = jax.nn.softmax(logits, axis=-1)[rows, choice] >= inputs["confidence_threshold"]
-            pieces = spelling[choice]  # [B, M]
-            active = active & (pieces[:, 0] >= 0)  # a token the target cannot write ends the row's draft
+            probability = jax.nn.softmax(logits, axis=-1)[rows, choice]
+            pieces, spellable, token_alone = spelling[choice], spelling[choice, 0] >= 0, alone[choice]  # [B, M]
+            # Healing rows choose among the extensions of their last token, and draft only the bytes past it.
+            heal = (heal_row >= 0) & (i == 0)
+            extension_logits = jnp.where(extensions >= 0, jnp.take_along_axis(logits, jnp.maximum(extensions, 0),
+                                                                              axis=1), -jnp.inf)  # [B, E]
+            best = jnp.argmax(extension_logits, axis=-1)
+            choice = jnp.where(heal, extensions[rows, best], choice)
+            probability = jnp.where(heal, jax.nn.softmax(extension_logits, axis=-1)[rows, best], probability)
+            pieces = jnp.where(heal[:, None], inputs["heal_suffix_spelling"][heal_row, best], pieces)
+            spellable = jnp.where(heal, inputs["heal_spellable"][heal_row, best], spellable)
+            token_alone = token_alone & ~heal
+
+            active = active & spellable  # a token the target cannot write ends the row's draft
             for j in range(MAX_SPELLING):
                 drafts, alone_slots, count = push_draft(inputs, self.merge_probes, drafts, alone_slots, count,
-                                                        pieces[:, j], active & (pieces[:, j] >= 0), alone[choice])
+                                                        pieces[:, j], active & (pieces[:, j] >= 0), token_alone)
             last = jnp.take_along_axis(drafts, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
-            active = active & confident & ~ctx.is_eos(last) & (count < limit)
+            ended = (pieces[:, 0] >= 0) & ctx.is_eos(last)  # (a healed token may add no bytes: nothing to check)
+            confident = probability >= inputs["confidence_threshold"]
+            active = active & confident & ~ended & (count < limit)
             go_on = jnp.any(active) & (i + 1 < self.max_steps)
 
-            def feed(cache):  # the next draft needs this one run through the assistant, at position length + i
-                next_logits, _, cache = ctx.assistant(choice[:, None], (length + i)[:, None], cache)
+            def feed(cache):  # the next draft needs this one run through the assistant, at position start + i
+                next_logits, _, cache = ctx.assistant(choice[:, None], (start + i)[:, None], cache)
                 return cache, next_logits[:, 0]
 
             cache, logits = inplace.cond(go_on, feed, lambda cache: (cache, logits), cache)
             return i + 1, cache, logits, drafts, alone_slots, count, active, fed + (active & go_on)
 
         zeros = jnp.zeros((batch,), jnp.int32)
-        start = (0, cache, first_logits, jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch, width), bool),
-                 zeros, limit > 0, zeros)
+        initial = (0, cache, first_logits, jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch, width), bool),
+                   zeros, limit > 0, zeros)
         steps, cache, _, drafts, alone_slots, count, _, fed = jax.lax.while_loop(
-            lambda c: (c[0] < self.max_steps) & jnp.any(c[6]), step, start)
+            lambda c: (c[0] < self.max_steps) & jnp.any(c[6]), step, initial)
         count = jnp.minimum(count, limit)
-        # Draft j of the all-alone prefix is assistant step j's token, fed at position length + j.
+        # Draft j of the all-alone prefix is assistant step j's token, fed at position start + j (a healing row's
+        # first token is never alone; if it added no bytes the prefix is one position short: safe).
         alone_prefix = leading_true(alone_slots[:, :k] & (jnp.arange(k)[None, :] < count[:, None]))
         feeds = jnp.maximum(steps - 1, 0)
         return Draft(tokens=drafts[:, :k], count=count), cache, jnp.minimum(alone_prefix, fed), feeds
