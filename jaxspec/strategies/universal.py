@@ -11,8 +11,9 @@ assistant once per call (`for_prompts`). Inside the loop the assistant lives in 
 - Drafts, as text. The assistant drafts its own greedy tokens over its whole vocabulary. Each one is written in
   target tokens (`spelling`), and adjacent target tokens are merged while their joined bytes are one target token
   (`merge`), so the drafted text reaches the target tokenized roughly as the target would write it. A row stops
-  after `limit` target tokens (the schedule's length), after a token the assistant is not confident of, after an
-  EOS, or before an assistant token the target cannot write. At most 2K assistant steps run per round.
+  after `limit` target tokens (the schedule's length), at a token the assistant is not confident of (as
+  AutoregressiveDrafter.keeps_unconfident says), after an EOS, or before an assistant token the target cannot
+  write. At most 2K assistant steps run per round.
 - Verification. The drafts are a deterministic function of the assistant's context, so they are verified as
   one-hot drafts (accept d with probability p(d); after a rejection draw from p without d), which keeps sampling
   exact whatever drafted them, and greedy output equal to plain greedy. The target's logits processors judge the
@@ -199,13 +200,15 @@ class UniversalDrafter(AutoregressiveDrafter):
             spellable = jnp.where(heal, inputs["heal_spellable"][heal_row, best], spellable)
             token_alone = token_alone & ~heal
 
-            active = active & spellable  # a token the target cannot write ends the row's draft
+            confident = probability >= inputs["confidence_threshold"]
+            # A token the target cannot write ends the row's draft; so does one the assistant doubts, before it
+            # (adaptive schedule) or after it (HF's schedules keep it).
+            active = active & spellable & (confident | self.keeps_unconfident)
             for j in range(MAX_SPELLING):
                 drafts, alone_slots, count = push_draft(inputs, self.merge_probes, drafts, alone_slots, count,
                                                         pieces[:, j], active & (pieces[:, j] >= 0), token_alone)
             last = jnp.take_along_axis(drafts, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
             ended = (pieces[:, 0] >= 0) & ctx.is_eos(last)  # (a healed token may add no bytes: nothing to check)
-            confident = probability >= inputs["confidence_threshold"]
             active = active & confident & ~ended & (count < limit)
             go_on = jnp.any(active) & (i + 1 < self.max_steps)
 
