@@ -180,10 +180,13 @@ def make_schedule(kind: str, initial: int, max_draft: int, draft_cost: float) ->
 
 
 def weight_bytes(module) -> int:
-    """Bytes of a module's params: what one decoding step reads when it is memory-bound."""
+    """Bytes of the params one decoding step reads (what it costs when memory-bound): all but the MTP layers, which
+    only the MTP strategy runs (the catalogue's SmolLM2 carries three, which as an assistant it never reads)."""
     from flax import nnx
 
-    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+    params = nnx.state(module, nnx.Param)
+    return sum(int(x.size) * x.dtype.itemsize for path, x in jax.tree_util.tree_leaves_with_path(params)
+               if getattr(path[0], "key", None) != "mtp_layers")
 
 
 def head_share(model) -> float:
