@@ -337,6 +337,15 @@ def test_vocabularies_without_overlap_name_the_fix(loaded):
     assert loop.trace_count() == before
 
 
+def test_the_ensemble_with_another_tokenizer_is_not_supported(loaded):
+    """Text drafts have no distribution over the target's vocabulary to mix with p: an error, before any compile."""
+    before = loop.trace_count()
+    with pytest.raises(NotImplementedError, match="assistant_ensemble_weight with an assistant of another tokenizer"):
+        jaxspec.generate(loaded["byte_level"], [[5, 6]], max_new_tokens=4, assistant_model=loaded["sentencepiece"],
+                         assistant_ensemble_weight=0.5)
+    assert loop.trace_count() == before
+
+
 def test_a_missing_tokenizer_names_the_argument(tiny_llama_dir, tmp_path, loaded):
     bare_target = jaxspec.load(tiny_llama_dir)  # no tokenizer saved with it
     bare_assistant = jaxspec.load(hf_models.save_tiny("llama", tmp_path, seed=2, vocab_size=100))
