@@ -3,6 +3,7 @@ extremes, the schedules, exact sampling, errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 
@@ -161,6 +162,28 @@ def test_adaptive_schedule_drafts_what_pays():
     assert 0 < (idle_costly > 0).sum() < (idle_free > 0).sum()
     assert (idle_costly > 0).sum() * 0.7 / len(idle_costly) < 0.02  # idle probing costs it under 2%
     assert (idle_free > 0).sum() * 0.2 / len(idle_free) < 0.02
+
+
+def test_a_doubted_probe_backs_off_like_a_missed_one():
+    """Under the adaptive schedule a drafter proposes nothing when it doubts its first token, yet it ran: an idle
+    row's doubted probe counts as a missed one (cooldown), or the drafter would run every round; a row whose drafting
+    pays is not penalised for one doubted round. HF's schedules keep their rule and are left alone."""
+    from jaxspec.strategies.draft_model import AutoregressiveDrafter
+
+    costs = default_verify_costs((1, 2, 4, 8))
+    drafter = AutoregressiveDrafter(max_draft=7, schedule=Schedule("adaptive", draft_cost=0.3, widths=(1, 2, 4, 8),
+                                                                    verify_costs=costs))
+    state = drafter.schedule.init(2, np.int32(1))
+    state = dataclasses.replace(state, accepted=np.array([0.0, 5.0], np.float32),  # row 0 idle, row 1 drafting
+                                judged=np.array([5.0, 5.0], np.float32))
+    assert drafter.schedule.probing(state).tolist() == [True, False]
+    nothing = RoundResult(drafted=np.array([0, 0]), accepted=np.array([0, 0]), committed=np.array([1, 1]),
+                          tokens=None, hidden=None, lengths=None)
+    after = drafter.update_length(state, nothing)
+    assert after.cooldown.tolist()[0] > 0 and after.misses.tolist() == [1, 0]
+    assert np.allclose(after.judged[1], 5.0) and after.cooldown[1] == 0  # the drafting row: untouched
+    hf = dataclasses.replace(drafter, schedule=Schedule("constant", initial=3))
+    assert hf.keeps_unconfident and not drafter.keeps_unconfident
 
 
 def test_heuristic_schedule_follows_transformers_rule():

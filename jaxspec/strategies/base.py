@@ -214,12 +214,22 @@ class Schedule:
         """[B] how many drafts each row may propose this round."""
         if self.kind != "adaptive" or not self.widths:
             return state.num_tokens
+        best = self.paying_length(state)
+        return jnp.where(best > 0, best, jnp.where(state.cooldown == 0, 1, 0))  # else a one-draft probe, at times
+
+    def probing(self, state: DraftLength) -> jax.Array:
+        """[B] bool: the row drafts this round only as a probe (adaptive: drafting does not pay, cooldown over)."""
+        if self.kind != "adaptive" or not self.widths:
+            return jnp.zeros(state.num_tokens.shape, bool)
+        return (self.paying_length(state) == 0) & (state.cooldown == 0)
+
+    def paying_length(self, state: DraftLength) -> jax.Array:
+        """[B] the draft length with the most expected tokens per cost (adaptive); 0 when drafting does not pay."""
         drafts = jnp.asarray(self.widths, jnp.float32) - 1  # [N] the drafts each width holds
         rate = jnp.clip(self.acceptance(state), 0.0, 0.999)[:, None]  # [B, 1]
         expected = (1 - rate ** (drafts + 1)) / (1 - rate)  # [B, N] tokens a round commits
         cost = jnp.asarray(self.verify_costs, jnp.float32) + self.draft_cost * drafts
-        best = jnp.asarray(self.widths)[jnp.argmax(expected / cost, axis=-1)] - 1  # [B] 0: drafting does not pay
-        return jnp.where(best > 0, best, jnp.where(state.cooldown == 0, 1, 0))  # else a one-draft probe, at times
+        return jnp.asarray(self.widths)[jnp.argmax(expected / cost, axis=-1)] - 1
 
     def update(self, state: DraftLength, result: RoundResult, cap: int) -> DraftLength:
         """`cap`: K, the static size of the draft buffer."""

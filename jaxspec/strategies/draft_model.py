@@ -118,6 +118,11 @@ class AutoregressiveDrafter(Drafter):
                      probs=probs)
 
     def update_length(self, length: DraftLength, result: RoundResult) -> DraftLength:
+        if not self.keeps_unconfident:
+            # An idle row whose probe was doubted (nothing proposed) still paid a drafting step: the schedule counts
+            # it as a missed probe and backs off, or an idle drafter that keeps doubting would run every round.
+            doubted = self.schedule.probing(length) & (result.drafted == 0) & (result.committed > 0)
+            result = dataclasses.replace(result, drafted=jnp.where(doubted, 1, result.drafted))
         return self.schedule.update(length, result, self.max_draft)
 
 
