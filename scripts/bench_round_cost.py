@@ -1,6 +1,7 @@
 """What a decoding round costs inside the compiled loop, by the number of drafts it verifies, against a plain step.
 
     python scripts/bench_round_cost.py [--model smollm2-135m] [--drafts 0,1,3,7] [--max-draft 10] [--repeats 4]
+        [--assistant smollm2-135m --assistant-drafts 1,2]
 
 A drafter that proposes d fixed tokens every round (all of them rejected, so every round commits one token) runs
 through `jaxspec.generate`'s loop with K = `--max-draft`, next to plain decoding, on the story prompt of
@@ -10,6 +11,9 @@ median of `--repeats` calls, interleaved) and the ratio to plain decoding, side 
 - d = 0 is a round of a drafter that drafts nothing: what the loop's structure (the draft buffer, the run-time choice
   of a verify width) costs over plain decoding, the floor of any strategy's overhead where it cannot help.
 - d >= 1 adds the verify block of width d + 1 (the target forward, the processors and verification at that width).
+- `--assistant`: rounds of that real assistant drafting d tokens each (constant schedule, no confidence stop; another
+  tokenizer runs universal decoding). A round's cost minus the fixed-draft round of the same d is what the assistant's
+  d drafts cost, in plain steps of the target: the figure the adaptive schedule prices as `draft_cost` per draft.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-draft", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--assistant", default=None, help="a catalogue name or path: also time its drafting rounds")
+    p.add_argument("--assistant-drafts", default="1,2")
     args = p.parse_args(argv)
 
     import jax.numpy as jnp
@@ -63,8 +69,18 @@ def main(argv=None) -> None:
         drafters[f"K={args.max_draft}, {d} draft(s)"] = FixedDrafts(max_draft=args.max_draft, drafts=d)
 
     def per_round(drafter) -> tuple[float, int]:
-        out = run_drafter(model, ids, None, drafter, None, settings)
+        if isinstance(drafter, dict):  # a real assistant's arguments to jaxspec.generate
+            out = jaxspec.generate(model, ids, max_new_tokens=args.max_new_tokens, eos_token_id=[], **drafter)
+        else:
+            out = run_drafter(model, ids, None, drafter, None, settings)
         return (out.decode_seconds - out.prefill_seconds) / out.rounds, out.accepted_hist.sum()
+
+    if args.assistant:
+        assistant = jaxspec.load(args.assistant)
+        for d in (int(x) for x in args.assistant_drafts.split(",")):
+            drafters[f"{args.assistant}, {d} draft(s)"] = dict(
+                assistant_model=assistant, num_assistant_tokens=d, num_assistant_tokens_schedule="constant",
+                assistant_confidence_threshold=0.0)
 
     for drafter in drafters.values():
         per_round(drafter)  # compile

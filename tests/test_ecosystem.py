@@ -242,8 +242,9 @@ def test_generate_text_applies_the_chat_template_and_decodes(models):
     tokenizer = target.tokenizer
     tokenizer.chat_template = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}w3"
     messages = [{"role": "user", "content": "w5 w6 w7"}]
+    # (A random assistant doubts every token: no confidence stop, so that it drafts.)
     text, out = jaxspec.generate_text(target, messages, max_new_tokens=8, eos_token_id=[], return_output=True,
-                                      assistant_model=draft, num_assistant_tokens=2)
+                                      assistant_model=draft, num_assistant_tokens=2, assistant_confidence_threshold=0.0)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     plain = jaxspec.generate(target, [ids], max_new_tokens=8, eos_token_id=[])
     assert text == tokenizer.decode(plain.sequences[0, len(ids):].tolist(), skip_special_tokens=True)
