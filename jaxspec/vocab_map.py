@@ -18,6 +18,9 @@ The tables (jaxspec/strategies/universal.py runs them inside the compiled loop):
   would: SmolLM2 writes `):` + `\n   ` where Qwen writes `):\n` + `   `, and drafting only shared tokens could
   never propose the latter. An assistant token without a spelling (a special token the target lacks, bytes the
   target cannot write, or too many pieces) is never drafted.
+- Token healing, `healing`: for each whitespace token of the assistant that longer tokens extend (`\n`, `\n   `),
+  those tokens and the target tokens of the bytes they add. A context ending in one is redrafted from its position
+  (see `Healing`).
 - Context, `expansion(t)`: the assistant tokens that stand for target token t once the target commits it, in CSR
   form (`expansion_offsets`, `expansion_ids`). A drafted token expands to its draft source, so what the assistant
   read while drafting is what it reads when the token is committed. Any other token expands to the assistant's
