@@ -504,8 +504,8 @@ def test_rounds_equal_a_replay_with_transformers_models(folders, loaded, near_tw
     twin_folder = near_twin if twin_is == "assistant" else far_twin
     full, twin = loaded["byte_level"], jaxspec.load(twin_folder)
     hf_full, hf_twin = hf_models.load_hf(folders["byte_level"]), hf_models.load_hf(twin_folder)
-    (target, hf_target), (assistant, hf_assistant) = ((twin, hf_twin), (full, hf_full))[::1 if twin_is == "target"
-                                                                                        else -1]
+    target, hf_target, assistant, hf_assistant = (twin, hf_twin, full, hf_full) if twin_is == "target" else \
+        (full, hf_full, twin, hf_twin)
     tables = vm.build(target.tokenizer, assistant.tokenizer, target.config.vocab_size, assistant.config.vocab_size)
     prompts = encode(target.tokenizer, PROMPTS)
     out = jaxspec.generate(target, prompts, max_new_tokens=N, eos_token_id=[], assistant_model=assistant,
@@ -547,7 +547,7 @@ def test_sampling_is_exact(folders, loaded, near_twin):
     new = out.sequences[:, len(prompt):]
     tables = vm.build(loaded["byte_level"].tokenizer, twin.tokenizer, loaded["byte_level"].config.vocab_size,
                       twin.config.vocab_size)
-    # Tokens the twin writes in pieces are committed at drafted positions (where merged drafts propose them).
+    # Drafted positions often hold tokens the twin writes only in pieces: a draft of one there is a merged draft.
     assert (np.diff(tables.expansion_offsets) > 1)[new[:, 1:3]].sum() > 100
     for i in range(3):
         assert oracles.goodness_of_fit(new[:, i], exact[i]) > 1e-3, i
