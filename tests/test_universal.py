@@ -220,14 +220,13 @@ def test_the_loop_merges_context_and_drafts_as_the_oracle(byte_level, sentencepi
 
     import jax.numpy as jnp
 
-    from jaxspec.strategies.universal import UniversalDrafter, UniversalState, merge_inputs, push_draft
+    from jaxspec.strategies.universal import UniversalDrafter, UniversalState, push_draft
 
     tokenizers = {"byte_level": byte_level, "sentencepiece": sentencepiece}
     target, assistant = (tokenizers[k] for k in direction.split("->"))
     tables = vm.build(target, assistant, len(target), len(assistant))
-    inputs = {"expansion_offsets": tables.expansion_offsets, "expansion_ids": tables.expansion_ids,
-              **merge_inputs("target_merges", tables.merges), **merge_inputs("assistant_merges", tables.assistant_merges)}
-    inputs = {name: jnp.asarray(table) for name, table in inputs.items()}  # as the loop holds them
+    # The loop's own run-time tables, as it holds them.
+    inputs = {name: jnp.asarray(table) for name, table in UniversalDrafter(vocab_map=tables).runtime_inputs().items()}
     context_merges = draft_merges = 0
     for text in TEXTS[:3]:
         prefix = assistant("x", add_special_tokens=False)["input_ids"]
