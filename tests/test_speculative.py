@@ -120,6 +120,45 @@ def test_always_wrong_assistant_accepts_nothing_and_backs_off(tiny_llama_dir, ta
     assert adaptive.draft_forwards < constant.draft_forwards / 5
 
 
+@pytest.mark.parametrize("behind, blocks", [((12, 2), [16]), ((5, 1), [8]), ((40, 3), [64]), ((70, 9), [64, 8])])
+def test_catch_up_reads_a_gap_in_the_narrowest_block_that_covers_it(target, behind, blocks):
+    """A row that sat out rounds catches up in the narrowest block that covers its gap (12 tokens: one block of 16,
+    not a chunk-wide block of 64, nor several of 8); the logits and cache entries equal a forward over the whole
+    sequence."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.strategies.draft_model import catch_up, catch_up_widths
+
+    model, size, synced = target.module, 96, np.array([5, 20], np.int32)
+    lengths = synced + np.array(behind, np.int32)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, target.config.vocab_size, (2, size)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(size), (2, size))
+    full_logits, _, full_cache = model(tokens, positions, model.init_cache(2, size))
+    # The cache holds [0, synced) of each row; past it, garbage that the catch-up must overwrite before reading.
+    held = (np.arange(size)[None, :] < synced[:, None])[None, :, :, None, None]  # [1, B, S, 1, 1]
+    stale = type(full_cache)(k=jnp.where(held, full_cache.k, 7.0), v=jnp.where(held, full_cache.v, -7.0))
+
+    widths_run = []
+
+    class Recording:  # the model, noting the width of each block it runs
+        cfg = model.cfg
+
+        def __call__(self, block, block_positions, cache):
+            jax.debug.callback(lambda: widths_run.append(block.shape[1]), ordered=True)
+            return model(block, block_positions, cache)
+
+    logits, cache, count = catch_up(Recording(), tokens, jnp.asarray(synced), jnp.asarray(lengths), stale,
+                                    catch_up_widths(64))
+    jax.effects_barrier()
+    assert widths_run == blocks and int(count) == len(blocks)
+    np.testing.assert_allclose(logits, full_logits[np.arange(2), lengths - 1], rtol=1e-4, atol=1e-4)
+    for row in range(2):
+        for mine, full in ((cache.k, full_cache.k), (cache.v, full_cache.v)):
+            np.testing.assert_allclose(mine[:, row, : lengths[row]], full[:, row, : lengths[row]], rtol=1e-4,
+                                       atol=1e-5)
+
+
 def run_schedule(schedule, copies, cap=7):
     """One row through rounds in which every draft is accepted (copies[i] True) or none is; -> drafts allowed per
     round."""

@@ -21,7 +21,7 @@ assistant once per call (`for_prompts`). Inside the loop the assistant lives in 
 - Rollback. The assistant's cache stays valid for the leading drafts that are one shared token each, not merged
   (a drafted assistant token that is also what the committed target token expands to); past them the committed
   tokens' expansions can differ from what the assistant drafted, so `synced` stops there and the next round's
-  catch-up rewrites the rest (a block of 2 or 8 positions).
+  catch-up rewrites the rest (in the narrowest block of `catch_up_widths` that covers it).
 
 How this departs from the token-level intersection (drafting only tokens both vocabularies share, with q
 renormalised over them): where the target writes a token the assistant spells in pieces (Qwen's `):\n` against
@@ -45,9 +45,8 @@ from .. import inplace
 from ..verify import leading_true
 from ..vocab_map import MAX_SPELLING, VocabMap, merge_hash, same_vocabulary, vocab_map
 from .base import Context, DecodeState, Draft, DraftLength, RoundResult
-from .draft_model import AutoregressiveDrafter, catch_up
+from .draft_model import AutoregressiveDrafter, catch_up, catch_up_widths
 
-CATCH_UP_WIDTHS = (2, 8)  # block widths of the catch-up after a round; the prefill chunk width when far behind
 MIN_ASSISTANT_BUFFER = 256
 ASSISTANT_ROOM = 1.5  # assistant buffer room per target position of generation room (expansions are ~1 token)
 STEPS_PER_DRAFT = 2  # assistant steps a round may run per target draft (merged steps add no target token)
@@ -159,7 +158,7 @@ class UniversalDrafter(AutoregressiveDrafter):
             target_length = jnp.where(fits, start, state.synced)
             synced = jnp.where(fits, jnp.minimum(state.synced, start - 1), state.synced)
             logits, cache, catch_up_forwards = catch_up(ctx.assistant, state.tokens, synced, target_length,
-                                                        state.cache, (*CATCH_UP_WIDTHS, self.catch_up_width))
+                                                        state.cache, catch_up_widths(self.catch_up_width))
             draft, cache, valid, feeds = self._draft_text(ctx, start, limit, logits, cache,
                                                           jnp.where(healing, heal_row, -1))
             synced = jnp.where(fits, start + valid, synced)
