@@ -203,26 +203,32 @@ def test_adaptive_schedule_drafts_what_pays():
     assert (idle_free > 0).sum() * 0.2 / len(idle_free) < 0.02
 
 
-def test_a_doubted_probe_backs_off_like_a_missed_one():
-    """Under the adaptive schedule a drafter proposes nothing when it doubts its first token, yet it ran: an idle
-    row's doubted probe counts as a missed one (cooldown), or the drafter would run every round; a row whose drafting
-    pays is not penalised for one doubted round. HF's schedules keep their rule and are left alone."""
+def test_a_doubted_first_draft_counts_as_a_rejected_one():
+    """Under the adaptive schedule a drafter proposes nothing when it doubts its first token, yet it ran: that round
+    counts as one rejected draft, for an idle row's probe (a missed probe: cooldown) and for a row whose drafting pays
+    (its estimate falls), or a drafter that keeps doubting would run every round and learn nothing. A row that did not
+    mean to draft (cooling down) is left alone. HF's schedules keep their rule and are left alone."""
     from jaxspec.strategies.draft_model import AutoregressiveDrafter
 
     costs = default_verify_costs((1, 2, 4, 8))
     drafter = AutoregressiveDrafter(max_draft=7, schedule=Schedule("adaptive", draft_cost=0.3, widths=(1, 2, 4, 8),
                                                                     verify_costs=costs))
-    state = drafter.schedule.init(2, np.int32(1))
-    state = dataclasses.replace(state, accepted=np.array([0.0, 5.0], np.float32),  # row 0 idle, row 1 drafting
-                                judged=np.array([5.0, 5.0], np.float32))
-    assert drafter.schedule.probing(state).tolist() == [True, False]
-    nothing = RoundResult(drafted=np.array([0, 0]), accepted=np.array([0, 0]), committed=np.array([1, 1]),
+    state = drafter.schedule.init(3, np.int32(1))
+    # Row 0 idle and due to probe, row 1 drafting, row 2 idle and cooling down.
+    state = dataclasses.replace(state, accepted=np.array([0.0, 5.0, 0.0], np.float32),
+                                judged=np.array([5.0, 5.0, 5.0], np.float32), cooldown=np.array([0, 0, 3], np.int32))
+    assert drafter.schedule.probing(state).tolist() == [True, False, False]
+    assert drafter.schedule.allowed(state).tolist()[2] == 0
+    nothing = RoundResult(drafted=np.array([0, 0, 0]), accepted=np.array([0, 0, 0]), committed=np.array([1, 1, 1]),
                           tokens=None, hidden=None, lengths=None)
     after = drafter.update_length(state, nothing)
-    assert after.cooldown.tolist()[0] > 0 and after.misses.tolist() == [1, 0]
-    assert np.allclose(after.judged[1], 5.0) and after.cooldown[1] == 0  # the drafting row: untouched
+    assert after.cooldown.tolist()[0] > 0 and after.misses.tolist()[0] == 1
+    # The drafting row judged one more draft and accepted none: 0.8 * 5 / (0.8 * 5 + 1).
+    assert drafter.schedule.acceptance(after)[1] == pytest.approx(0.8)
+    assert after.cooldown.tolist()[2] == 2 and after.misses.tolist()[2] == 0  # only the cooldown ticks
+    assert np.allclose(after.judged[2], 5.0)
     hf = dataclasses.replace(drafter, schedule=Schedule("constant", initial=3))
-    assert hf.keeps_unconfident and not drafter.keeps_unconfident
+    assert drafter.drops_doubted_first and not hf.drops_doubted_first
 
 
 def test_heuristic_schedule_follows_transformers_rule():

@@ -12,8 +12,8 @@ in a width-2 block after a normal round, in the narrowest of 8, 16 or 32 that co
 chunks of the prefill width when further behind (`catch_up_widths`).
 
 Draft length per row: the schedule's length (jaxspec/strategies/base.py), capped by the row's remaining budget,
-stopped early at a token whose draft probability is below `confidence_threshold` (HF's schedules keep that token,
-then stop; the adaptive schedule stops before it: `keeps_unconfident`), or after an EOS. Rows stop independently; the step loop ends as soon as no row is drafting, and a round in which no row
+stopped early at a token whose draft probability is below `confidence_threshold` (that token is proposed, then
+drafting stops, as in HF; the adaptive schedule drops a doubted first draft: `drops_doubted_first`), or after an EOS. Rows stop independently; the step loop ends as soon as no row is drafting, and a round in which no row
 drafts does not run the assistant at all.
 """
 
@@ -66,13 +66,16 @@ class AutoregressiveDrafter(Drafter):
                 "confidence_threshold": np.float32(self.confidence_threshold)}
 
     @property
-    def keeps_unconfident(self) -> bool:
-        """Whether a draft below the confidence threshold is proposed before drafting stops. HF's rule, kept for its
-        schedules (constant, heuristic). The adaptive schedule drops it: each draft costs a drafting step and widens
-        the verify block, and a token its own drafter doubts is rarely accepted (on Qwen2.5-Coder-0.5B assisted by
-        SmolLM2, dropping them raised acceptance from 0.34 / 0.53 to 0.52 / 0.68 on code completion / chat). A
-        sampled draft is then judged by q restricted to the confident tokens, the law it was drawn from."""
-        return self.schedule.kind != "adaptive"
+    def drops_doubted_first(self) -> bool:
+        """Whether a first draft below the confidence threshold is dropped instead of proposed (the adaptive schedule).
+
+        HF proposes a doubted draft, then stops; its schedules here keep that rule. The adaptive schedule keeps it for
+        later drafts, whose forward is paid already and which widen the verify block by one token, but drops a
+        doubted first draft: proposing it would turn a plain step into a two-token verify block (0.2 of a step on a
+        CPU) for a token that is rarely accepted. Such a round proposes nothing, yet paid a drafting step, so the
+        schedule counts it as one rejected draft (`update_length`). A sampled first draft is then judged by q
+        restricted to the confident tokens, the law it was drawn from."""
+        return self.schedule.kind == "adaptive"
 
     def draft_limit(self, loop: DecodeState, length: DraftLength) -> jax.Array:
         """[B] drafts each row may propose this round: its schedule's length, within its budget."""
@@ -93,16 +96,18 @@ class AutoregressiveDrafter(Drafter):
             q = jax.nn.softmax(processed, axis=-1)
             token = select(jax.random.fold_in(rng, i), processed, ctx.do_sample)
             confident = q[rows, token] >= ctx.draft_inputs["confidence_threshold"]
-            kept = active & (confident | self.keeps_unconfident)
+            kept = active & (confident | (i > 0) | (not self.drops_doubted_first))
             token = jnp.where(kept, token, 0)
             tokens = tokens.at[:, i].set(token)
             buffer = buffer.at[rows, loop.lengths + i].set(token, mode="drop")
             if probs is not None:
-                if not self.keeps_unconfident:
-                    # A kept draft was drawn from q conditioned on being confident: verification must judge it by
-                    # that distribution (q over the confident tokens, renormalised) for sampling to stay exact.
-                    q = jnp.where(q >= ctx.draft_inputs["confidence_threshold"], q, 0.0)
-                    q = q / jnp.maximum(jnp.sum(q, axis=-1, keepdims=True), jnp.finfo(q.dtype).tiny)
+                if self.drops_doubted_first:
+                    # A kept first draft was drawn from q conditioned on being confident: verification must judge
+                    # it by that distribution (q over the confident tokens, renormalised) for sampling to stay exact.
+                    confident_q = jnp.where(q >= ctx.draft_inputs["confidence_threshold"], q, 0.0)
+                    confident_q = confident_q / jnp.maximum(jnp.sum(confident_q, axis=-1, keepdims=True),
+                                                            jnp.finfo(q.dtype).tiny)
+                    q = jnp.where(i == 0, confident_q, q)
                 probs = probs.at[:, i].set(q)
             count = count + kept
             active = kept & confident & ~ctx.is_eos(token) & (count < limit)
@@ -134,10 +139,11 @@ class AutoregressiveDrafter(Drafter):
                      probs=probs)
 
     def update_length(self, length: DraftLength, result: RoundResult) -> DraftLength:
-        if not self.keeps_unconfident:
-            # An idle row whose probe was doubted (nothing proposed) still paid a drafting step: the schedule counts
-            # it as a missed probe and backs off, or an idle drafter that keeps doubting would run every round.
-            doubted = self.schedule.probing(length) & (result.drafted == 0) & (result.committed > 0)
+        if self.drops_doubted_first:
+            # A row that meant to draft but doubted its first token proposed nothing, yet paid a drafting step: the
+            # schedule counts it as one rejected draft (for an idle row, a missed probe), or a drafter that keeps
+            # doubting would run every round and learn nothing.
+            doubted = (self.schedule.allowed(length) > 0) & (result.drafted == 0) & (result.committed > 0)
             result = dataclasses.replace(result, drafted=jnp.where(doubted, 1, result.drafted))
         return self.schedule.update(length, result, self.max_draft)
 

@@ -11,8 +11,8 @@ assistant once per call (`for_prompts`). Inside the loop the assistant lives in 
 - Drafts, as text. The assistant drafts its own greedy tokens over its whole vocabulary. Each one is written in
   target tokens (`spelling`), and adjacent target tokens are merged while their joined bytes are one target token
   (`merge`), so the drafted text reaches the target tokenized roughly as the target would write it. A row stops
-  after `limit` target tokens (the schedule's length), at a token the assistant is not confident of (as
-  AutoregressiveDrafter.keeps_unconfident says), after an EOS, or before an assistant token the target cannot
+  after `limit` target tokens (the schedule's length), at a token the assistant is not confident of (proposed, then
+  the row stops; a doubted first one is dropped: AutoregressiveDrafter.drops_doubted_first), after an EOS, or before an assistant token the target cannot
   write. At most 2K assistant steps run per round.
 - Verification. The drafts are a deterministic function of the assistant's context, so they are verified as
   one-hot drafts (accept d with probability p(d); after a rejection draw from p without d), which keeps sampling
@@ -200,9 +200,9 @@ class UniversalDrafter(AutoregressiveDrafter):
             token_alone = token_alone & ~heal
 
             confident = probability >= inputs["confidence_threshold"]
-            # A token the target cannot write ends the row's draft; so does one the assistant doubts, before it
-            # (adaptive schedule) or after it (HF's schedules keep it).
-            active = active & spellable & (confident | self.keeps_unconfident)
+            # A token the target cannot write ends the row's draft; so does one the assistant doubts, after it (or
+            # before it, if it is the first: `drops_doubted_first`).
+            active = active & spellable & (confident | (i > 0) | (not self.drops_doubted_first))
             for j in range(MAX_SPELLING):
                 drafts, alone_slots, count = push_draft(inputs, self.merge_probes, drafts, alone_slots, count,
                                                         pieces[:, j], active & (pieces[:, j] >= 0), token_alone)
