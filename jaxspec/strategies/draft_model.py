@@ -13,8 +13,9 @@ chunks of the prefill width when further behind (`catch_up_widths`).
 
 Draft length per row: the schedule's length (jaxspec/strategies/base.py), capped by the row's remaining budget,
 stopped early at a token whose draft probability is below `confidence_threshold` (that token is proposed, then
-drafting stops, as in HF; the adaptive schedule drops a doubted first draft: `drops_doubted_first`), or after an EOS. Rows stop independently; the step loop ends as soon as no row is drafting, and a round in which no row
-drafts does not run the assistant at all.
+drafting stops, as in HF; the adaptive schedule drops a doubted first draft: `drops_doubted_first`), or after an
+EOS. Rows stop independently; the step loop ends as soon as no row is drafting, and a round in which no row drafts
+does not run the assistant at all.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from .base import (Context, DecodeState, Draft, Drafter, DraftLength, RoundResul
 Feed = Callable[[Any, jax.Array, jax.Array, int], tuple[jax.Array, Any]]
 
 STEADY_CATCH_UP = 2  # after a normal round the assistant is at most this many committed tokens behind
-MAX_MIDDLE_CATCH_UP = 32  # the widest block between the steady width and the chunk width (`catch_up_widths`)
+MIDDLE_CATCH_UP_WIDTHS = (8, 16, 32)  # blocks for gaps left by idle rounds (`catch_up_widths`)
 
 
 def catch_up_widths(chunk: int, steady: int = STEADY_CATCH_UP) -> tuple[int, ...]:
@@ -49,8 +50,7 @@ def catch_up_widths(chunk: int, steady: int = STEADY_CATCH_UP) -> tuple[int, ...
     catching up 12 tokens in a 64-wide block costs 2.7 times a 16-wide one. Idle rows are what make an assistant
     cheap where it cannot help, so their catch-up is most of what such an assistant still costs.
     """
-    middle = [w for w in (8, 16, MAX_MIDDLE_CATCH_UP) if steady < w < chunk]
-    return (steady, *middle, chunk)
+    return (steady, *(w for w in MIDDLE_CATCH_UP_WIDTHS if steady < w < chunk), chunk)
 
 
 @dataclasses.dataclass(frozen=True)
