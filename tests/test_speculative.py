@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import sys
 
 import numpy as np
@@ -142,7 +143,8 @@ def test_catch_up_reads_a_gap_in_the_narrowest_block_that_covers_it(target, behi
     widths_run = []
 
     class Recording:  # the model, noting the width of each block it runs
-        cfg = model.cfg
+        def __getattr__(self, name):
+            return getattr(model, name)
 
         def __call__(self, block, block_positions, cache):
             jax.debug.callback(lambda: widths_run.append(block.shape[1]), ordered=True)
@@ -152,6 +154,11 @@ def test_catch_up_reads_a_gap_in_the_narrowest_block_that_covers_it(target, behi
                                     catch_up_widths(64))
     jax.effects_barrier()
     assert widths_run == blocks and int(count) == len(blocks)
+    # The LM head runs on each row's last hidden state only: no block computes logits for all its positions.
+    compiled = jax.jit(lambda *a: catch_up(model, *a, catch_up_widths(64))).lower(
+        tokens, jnp.asarray(synced), jnp.asarray(lengths), stale).compile().as_text()
+    vocab = target.config.vocab_size
+    assert f"f32[2,{vocab}]" in compiled and not re.search(rf"f32\[2,\d+,{vocab}\]", compiled)
     np.testing.assert_allclose(logits, full_logits[np.arange(2), lengths - 1], rtol=1e-4, atol=1e-4)
     for row in range(2):
         for mine, full in ((cache.k, full_cache.k), (cache.v, full_cache.v)):
