@@ -50,6 +50,7 @@ never a change of output); transformers re-encodes exactly but on the host, once
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import weakref
@@ -251,6 +252,15 @@ class VocabMap:
     @property
     def max_expansion(self) -> int:
         return max(int(np.diff(self.expansion_offsets).max(initial=0)), 1)
+
+    @functools.cached_property
+    def extensible(self) -> np.ndarray:
+        """[V] bool: target tokens that merge with some token after them into one target token (`_` + `intervals`
+        -> `_intervals`): a draft that ends with one may be cut where the target's tokenizer would not cut."""
+        table = self.merges
+        extensible = np.zeros(len(self.draft_source), bool)
+        extensible[table.first[table.first >= 0]] = True
+        return extensible
 
     @property
     def shared(self) -> int:

@@ -194,6 +194,61 @@ def test_drafts_are_spelled_and_merged_as_the_target_writes_them(byte_level, sen
                if t[:c] in assistant_ids and t[c:] in assistant_ids)
 
 
+def test_a_draft_at_its_limit_looks_one_step_ahead_where_it_could_merge(byte_level):
+    """A row at its limit on a target token that merges with a next one runs one more assistant step: the draft
+    then ends where the target would cut it (t1 + t2 -> t12, one draft), or, if the next token does not merge, that
+    token is one more draft. A last draft that merges with nothing ends the row at once. The assistant here is a
+    script, so the drafts are known; the target is the full byte-level vocabulary and the assistant lacks 24 of its
+    merges, so it writes t12 as two tokens."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.strategies.base import Schedule
+    from jaxspec.strategies.universal import UniversalDrafter
+
+    assistant_tokenizer = byte_level_tokenizer(drop_merges=24, seed=5)
+    tables = vm.build(byte_level, assistant_tokenizer, len(byte_level), len(assistant_tokenizer))
+    alone = {int(tables.spelling[a, 0]): a for a in np.flatnonzero(tables.spelled_alone)}  # t -> its assistant twin
+    # t12 is written as a1 a2 by the assistant, and a1, a2 spell t1, t2, which merge into t12.
+    t12, (a1, a2) = next((t, tables.expansion(t)) for t in range(len(byte_level)) if len(tables.expansion(t)) == 2
+                         and all(tables.spelled_alone[a] for a in tables.expansion(t)) and not tables.extensible[t])
+    t1, t2 = (int(tables.spelling[a, 0]) for a in (a1, a2))
+    assert tables.merges.lookup(t1, t2) == t12 and tables.extensible[t1]
+    texts = [t for t in alone if tables.target.texts[t]]  # not special tokens
+    final = next(t for t in texts if not tables.extensible[t] and tables.merges.lookup(t1, t) < 0)
+    apart = next(t for t in texts if tables.merges.lookup(t1, t) < 0 and t != final)
+
+    drafter = UniversalDrafter(max_draft=4, vocab_map=tables, max_expansion=tables.max_expansion,
+                               merge_probes=tables.merges.probes,
+                               assistant_merge_probes=tables.assistant_merges.probes, schedule=Schedule("constant"))
+    inputs = {name: jnp.asarray(value) for name, value in drafter.runtime_inputs().items()}
+    vocab = len(assistant_tokenizer)
+
+    def run(script, limit):
+        """The drafts of one row whose assistant writes `script` (assistant ids), with `limit` drafts asked for."""
+        script = jnp.asarray(script + [alone[final]] * 8)
+        fed = []
+
+        def assistant(token, positions, cache):  # fed the draft at position p, it predicts script[p + 1]
+            fed.append(1)
+            return jax.nn.one_hot(script[positions + 1], vocab) * 50.0, None, cache
+
+        ctx = types.SimpleNamespace(draft_inputs=inputs, assistant=assistant,
+                                    is_eos=lambda tokens: jnp.zeros(tokens.shape, bool))
+        limit = jnp.array([limit])
+        draft, _, _, feeds = drafter._draft_text(ctx, jnp.array([0]), limit, jnp.minimum(limit + 1, 4),
+                                                 jax.nn.one_hot(script[:1], vocab) * 50.0, jnp.zeros(()),
+                                                 jnp.array([-1]))
+        return draft.tokens[0, : int(draft.count[0])].tolist(), int(feeds)
+
+    assert run([a1, a2], limit=1) == ([t12], 1)  # merged: the target's own cut
+    assert run([a1, alone[apart]], limit=1) == ([t1, apart], 1)  # no merge: the look-ahead token is one more draft
+    assert run([alone[final]], limit=1) == ([final], 0)  # nothing could merge: no step further
+    assert run([alone[final], a1, a2], limit=2) == ([final, t12], 2)
+
+
 def merged_sequence(pieces_per_token, table: vm.MergeTable, start=()) -> tuple[list[int], int, int]:
     """The oracle's merging: each token's first piece merges into the token before it (at most twice) while their
     joined bytes are one token. -> (tokens, merges, the lowest position a merge rewrote)."""
@@ -218,6 +273,7 @@ def test_the_loop_merges_context_and_drafts_as_the_oracle(byte_level, sentencepi
     tokens of a text spelled and pushed as target drafts (`push_draft`)."""
     import types
 
+    import jax
     import jax.numpy as jnp
 
     from jaxspec.strategies.universal import UniversalDrafter, UniversalState, push_draft
@@ -434,13 +490,14 @@ def twin_of(tmp_path_factory, folders, byte_level, drop_merges: int) -> str:
 
 
 @torch.no_grad()
-def universal_drafts(hf_assistant, tables: vm.VocabMap, prompt: list[int], k: int, seen: Counter):
+def universal_drafts(hf_assistant, tables: vm.VocabMap, prompt: list[int], k: int, seen: Counter, cap: int):
     """The oracle's drafts: the assistant reads the re-encoded prompt and the expansions of the committed tokens
     (each merged into the token before it where their joined bytes are one assistant token), drafts its own argmax
     (first redrafting a trailing whitespace token among the tokens that extend it), and each drafted token is
-    spelled in target tokens and merged into the drafts before it, until K target tokens (at most 2K assistant
-    steps; constant schedule, no confidence stop). `seen` counts the drafts spelled in several target tokens, the
-    merges and the healed rounds."""
+    spelled in target tokens and merged into the drafts before it, until K target tokens, and one assistant step
+    further while the last one could merge with the next; past K, one more draft (the look-ahead's) is kept, up to
+    the buffer's `cap` (at most 2 cap assistant steps; constant schedule, no confidence stop). `seen` counts the
+    drafts spelled in several target tokens, the merges, the healed rounds and the look-ahead steps."""
 
     def push(drafts, token):
         for _ in range(2):
@@ -466,8 +523,9 @@ def universal_drafts(hf_assistant, tables: vm.VocabMap, prompt: list[int], k: in
             context += pieces
         drafts, limit = [], min(k, room)
         heal = int(tables.healing.index[context[-1]]) if len(context) > 1 else -1
-        for step in range(2 * k):
-            if len(drafts) >= limit:
+        for step in range(2 * cap):
+            # At the limit, a last draft that could merge with the next token looks one assistant step further.
+            if len(drafts) > limit or (len(drafts) == limit and not (drafts and tables.extensible[drafts[-1]])):
                 break
             if step == 0 and heal >= 0:  # redraft the trailing whitespace token among its extensions
                 logits = hf_assistant(torch.tensor([context[:-1]])).logits[0, -1]
@@ -485,9 +543,10 @@ def universal_drafts(hf_assistant, tables: vm.VocabMap, prompt: list[int], k: in
             if not spellable:
                 break
             seen["spelled"] += len(pieces) > 1
+            seen["looked ahead"] += len(drafts) == limit
             for token in pieces:
                 push(drafts, token)
-        return drafts[:limit]
+        return drafts[:min(limit + 1, room, cap)]
 
     return draft
 
@@ -499,7 +558,7 @@ def test_rounds_equal_a_replay_with_transformers_models(folders, loaded, near_tw
     rollback after each rejection, and the spelling and merging of its drafts are what they should be. With the
     twin as the assistant, target tokens it lacks are expanded into pieces; with the far twin as the target, the
     assistant drafts tokens the target spells in pieces."""
-    k = 3
+    k, cap = 3, 4  # a draft buffer of 4 holds the look-ahead draft of a 3-token round
     twin_folder = near_twin if twin_is == "assistant" else far_twin
     full, twin = loaded["byte_level"], jaxspec.load(twin_folder)
     hf_full, hf_twin = hf_models.load_hf(folders["byte_level"]), hf_models.load_hf(twin_folder)
@@ -508,7 +567,7 @@ def test_rounds_equal_a_replay_with_transformers_models(folders, loaded, near_tw
     tables = vm.build(target.tokenizer, assistant.tokenizer, target.config.vocab_size, assistant.config.vocab_size)
     prompts = encode(target.tokenizer, PROMPTS)
     out = jaxspec.generate(target, prompts, max_new_tokens=N, eos_token_id=[], assistant_model=assistant,
-                           num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                           num_assistant_tokens=k, max_assistant_tokens=cap, num_assistant_tokens_schedule="constant",
                            assistant_confidence_threshold=0.0)
     # A random model is thrown by a word spelled in pieces, so the twin misses often there, and agrees elsewhere.
     assert 0.05 < out.acceptance_rate < 0.9
@@ -517,8 +576,10 @@ def test_rounds_equal_a_replay_with_transformers_models(folders, loaded, near_tw
         assert spelled[out.sequences[:, -N:]].any()  # the loop expanded a target token into several assistant tokens
     seen = Counter()
     for row, prompt in enumerate(prompts):
-        accepted = oracles.replay_rounds(hf_target, universal_drafts(hf_assistant, tables, prompt, k, seen), prompt, N)
-        assert out.accepted_hist[row].tolist() == oracles.histogram(accepted, k), row
+        drafts = universal_drafts(hf_assistant, tables, prompt, k, seen, cap)
+        accepted = oracles.replay_rounds(hf_target, drafts, prompt, N)
+        assert out.accepted_hist[row].tolist() == oracles.histogram(accepted, cap), row
+    assert seen["looked ahead"] > 0  # rows at their limit on a draft that could merge ran one step further
     if twin_is == "target":  # drafts of tokens the target writes in pieces, and trailing whitespace redrafted
         assert seen["spelled"] > 0 and seen["healed"] > 0
 

@@ -11,9 +11,10 @@ assistant once per call (`for_prompts`). Inside the loop the assistant lives in 
 - Drafts, as text. The assistant drafts its own greedy tokens over its whole vocabulary. Each one is written in
   target tokens (`spelling`), and adjacent target tokens are merged while their joined bytes are one target token
   (`merge`), so the drafted text reaches the target tokenized roughly as the target would write it. A row stops
-  after `limit` target tokens (the schedule's length), at a token the assistant is not confident of (proposed, then
-  the row stops; a doubted first one is dropped: AutoregressiveDrafter.drops_doubted_first), after an EOS, or before an assistant token the target cannot
-  write. At most 2K assistant steps run per round.
+  after `limit` target tokens (the schedule's length; one assistant step further when the last one could still
+  merge, `_draft_text`), at a token the assistant is not confident of (proposed, then the row stops; a doubted
+  first one is dropped: AutoregressiveDrafter.drops_doubted_first), after an EOS, or before an assistant token the
+  target cannot write. At most 2K assistant steps run per round.
 - Verification. The drafts are a deterministic function of the assistant's context, so they are verified as
   one-hot drafts (accept d with probability p(d); after a rejection draw from p without d), which keeps sampling
   exact whatever drafted them, and greedy output equal to plain greedy. The target's logits processors judge the
@@ -44,7 +45,7 @@ import numpy as np
 from .. import inplace
 from ..verify import leading_true
 from ..vocab_map import MAX_SPELLING, VocabMap, merge_hash, same_vocabulary, vocab_map
-from .base import Context, DecodeState, Draft, DraftLength, RoundResult
+from .base import Context, DecodeState, Draft, DraftLength, RoundResult, room_for_drafts
 from .draft_model import AutoregressiveDrafter, catch_up, catch_up_widths
 
 MIN_ASSISTANT_BUFFER = 256
@@ -125,6 +126,7 @@ class UniversalDrafter(AutoregressiveDrafter):
                   "expansion_offsets": tables.expansion_offsets, "expansion_ids": tables.expansion_ids,
                   "heal_index": tables.healing.index, "heal_extensions": tables.healing.extensions,
                   "heal_suffix_spelling": tables.healing.suffix_spelling, "heal_spellable": tables.healing.spellable,
+                  "extensible": tables.extensible,
                   **merge_inputs("target_merges", tables.merges), **merge_inputs("assistant_merges",
                                                                                  tables.assistant_merges)}
         return super().runtime_inputs() | tables | self.prompt_inputs
@@ -159,7 +161,9 @@ class UniversalDrafter(AutoregressiveDrafter):
             synced = jnp.where(fits, jnp.minimum(state.synced, start - 1), state.synced)
             logits, cache, catch_up_forwards = catch_up(ctx.assistant, state.tokens, synced, target_length,
                                                         state.cache, catch_up_widths(self.catch_up_width))
-            draft, cache, valid, feeds = self._draft_text(ctx, start, limit, logits, cache,
+            most = jnp.minimum(jnp.minimum(limit + 1, room_for_drafts(loop)), self.max_draft)  # with a look-ahead
+            most = jnp.where(limit > 0, most, 0)
+            draft, cache, valid, feeds = self._draft_text(ctx, start, limit, most, logits, cache,
                                                           jnp.where(healing, heal_row, -1))
             synced = jnp.where(fits, start + valid, synced)
             return dataclasses.replace(state, cache=cache, synced=synced), (draft, catch_up_forwards + feeds)
@@ -170,12 +174,19 @@ class UniversalDrafter(AutoregressiveDrafter):
         state, (draft, forwards) = inplace.cond(jnp.any(limit > 0), run, skip, state)
         return draft, state, forwards, loop.cache
 
-    def _draft_text(self, ctx: Context, start, limit, first_logits, cache, heal_row):
-        """Draft up to `limit` [B] target tokens per row from the assistant's greedy tokens, the first at assistant
-        position `start` [B], from its logits at start - 1 ([B, V_a]). A row with `heal_row` >= 0 replaces the
-        token at `start` with one that extends it (vocab_map.Healing) and drafts the bytes past it.
-        -> (Draft, cache, valid [B], feeds): the assistant's cache holds its context and drafts at
-        [start, start + valid) that committed drafts keep valid (module docstring)."""
+    def _draft_text(self, ctx: Context, start, limit, most, first_logits, cache, heal_row):
+        """Draft `limit` [B] target tokens per row (`most` [B] with a look-ahead draft) from the assistant's greedy
+        tokens, the first at assistant position `start` [B], from its logits at start - 1 ([B, V_a]). A row with
+        `heal_row` >= 0 replaces the token at `start` with one that extends it (vocab_map.Healing) and drafts the
+        bytes past it. -> (Draft, cache, valid [B], feeds): the assistant's cache holds its context and drafts at
+        [start, start + valid) that committed drafts keep valid (module docstring).
+
+        Look-ahead: a row that reaches its limit on a target token that merges with some token after it (`_`, which
+        `intervals` turns into Qwen's `_intervals`; vocab_map.VocabMap.extensible) runs one more assistant step. If
+        that token merges, the draft ends as the target would cut it; if not, it is kept as one more draft (its
+        forward is paid, and one more verify position costs little). Without it, a one-draft probe of `_` where the
+        target writes `_intervals` is rejected for where it cut, not for what it said: on a Qwen2.5-Coder code
+        completion with SmolLM2, most rejected drafts were such prefixes."""
         inputs = ctx.draft_inputs
         spelling, alone = inputs["spelling"], inputs["spelled_alone"]  # [V_a, M], [V_a]
         extensions = inputs["heal_extensions"][jnp.maximum(heal_row, 0)]  # [B, E]
@@ -208,7 +219,10 @@ class UniversalDrafter(AutoregressiveDrafter):
                                                         pieces[:, j], active & (pieces[:, j] >= 0), token_alone)
             last = jnp.take_along_axis(drafts, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
             ended = (pieces[:, 0] >= 0) & ctx.is_eos(last)  # (a healed token may add no bytes: nothing to check)
-            active = active & confident & ~ended & (count < limit)
+            # At its limit, a row whose last draft could merge with the next token looks one assistant step
+            # further (`_draft_text`).
+            looking = (count < limit) | ((count == limit) & inputs["extensible"][last])
+            active = active & confident & ~ended & looking
             go_on = jnp.any(active) & (i + 1 < self.max_steps)
 
             def feed(cache):  # the next draft needs this one run through the assistant, at position start + i
@@ -223,7 +237,7 @@ class UniversalDrafter(AutoregressiveDrafter):
                    zeros, limit > 0, zeros)
         steps, cache, _, drafts, alone_slots, count, _, fed = jax.lax.while_loop(
             lambda c: (c[0] < self.max_steps) & jnp.any(c[6]), step, initial)
-        count = jnp.minimum(count, limit)
+        count = jnp.minimum(count, most)
         # Draft j of the all-alone prefix is assistant step j's token, fed at position start + j (a healing row's
         # first token is never alone; if it added no bytes the prefix is one position short: safe).
         alone_prefix = leading_true(alone_slots[:, :k] & (jnp.arange(k)[None, :] < count[:, None]))
@@ -274,7 +288,12 @@ class UniversalDrafter(AutoregressiveDrafter):
         # entries stay valid, the rest were rejected (a budget or EOS crop can commit fewer than were accepted).
         kept = jnp.minimum(result.accepted, result.committed)
         synced = jnp.minimum(state.synced, state.length + kept)
-        return dataclasses.replace(state, synced=synced, schedule=self.update_length(state.schedule, result))
+        # The schedule judges the drafts it asked for; a look-ahead draft past them is evidence it did not pay for
+        # (and a probe stays a one-draft probe).
+        allowed = self.schedule.allowed(state.schedule)
+        asked = dataclasses.replace(result, drafted=jnp.minimum(result.drafted, allowed),
+                                    accepted=jnp.minimum(result.accepted, allowed))
+        return dataclasses.replace(state, synced=synced, schedule=self.update_length(state.schedule, asked))
 
     def summary(self, state: UniversalState) -> dict[str, jax.Array]:
         return {"num_assistant_tokens": state.schedule.num_tokens, "assistant_length": state.length}
