@@ -229,10 +229,8 @@ def test_a_draft_at_its_limit_looks_one_step_ahead_where_it_could_merge(byte_lev
     def run(script, limit):
         """The drafts of one row whose assistant writes `script` (assistant ids), with `limit` drafts asked for."""
         script = jnp.asarray(script + [alone[final]] * 8)
-        fed = []
 
         def assistant(token, positions, cache):  # fed the draft at position p, it predicts script[p + 1]
-            fed.append(1)
             return jax.nn.one_hot(script[positions + 1], vocab) * 50.0, None, cache
 
         ctx = types.SimpleNamespace(draft_inputs=inputs, assistant=assistant,
@@ -273,7 +271,6 @@ def test_the_loop_merges_context_and_drafts_as_the_oracle(byte_level, sentencepi
     tokens of a text spelled and pushed as target drafts (`push_draft`)."""
     import types
 
-    import jax
     import jax.numpy as jnp
 
     from jaxspec.strategies.universal import UniversalDrafter, UniversalState, push_draft
