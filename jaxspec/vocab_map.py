@@ -255,11 +255,21 @@ class VocabMap:
 
     @functools.cached_property
     def extensible(self) -> np.ndarray:
-        """[V] bool: target tokens that merge with some token after them into one target token (`_` + `intervals`
-        -> `_intervals`): a draft that ends with one may be cut where the target's tokenizer would not cut."""
-        table = self.merges
+        """[V] bool: target tokens t1 that the assistant may write as the start of a longer target token t12 = t1 t2
+        (SmolLM2 writes `_intervals` as `_` + `intervals`, where Qwen has one token): a draft that ends with t1 may
+        be cut where the target's tokenizer would not cut. A t1 whose longer tokens the assistant writes otherwise
+        (` the`, where the assistant has ` there` whole) is not: its drafts never continue into a merge."""
+        table, offsets, ids = self.merges, self.expansion_offsets, self.expansion_ids
+        used = table.first >= 0
+        t1, t12 = table.first[used], table.merged[used]
+        n1, n12 = offsets[t1 + 1] - offsets[t1], offsets[t12 + 1] - offsets[t12]
+        starts_alike = (n1 > 0) & (n12 > n1)  # t12's expansion is t1's, then more
+        for j in range(self.max_expansion):
+            inside = starts_alike & (j < n1)
+            starts_alike &= ~inside | (ids[np.minimum(offsets[t12] + j, len(ids) - 1)] ==
+                                       ids[np.minimum(offsets[t1] + j, len(ids) - 1)])
         extensible = np.zeros(len(self.draft_source), bool)
-        extensible[table.first[table.first >= 0]] = True
+        extensible[t1[starts_alike]] = True
         return extensible
 
     @property
