@@ -22,8 +22,10 @@ Timing: each (library, model, strategy) runs the prompt set once untimed (jaxspe
 own column), then `--repeats` (at least 3) timed passes; tokens/s is new tokens over the summed per-call seconds of a
 pass, and the table shows the median over passes with the range (min-max) beside it. Both libraries are timed the
 same way: the wall time of the whole `generate` call, host work included (jaxspec's executables are compiled by then
-and come from its cache). Both libraries hold the model at once and the timed passes alternate between every
-(library, strategy), so a change of load on the machine is spread over all rows instead of landing on one library.
+and come from its cache). Both libraries hold the model at once, and a timed pass takes the prompts in turn and
+runs every (library, strategy) on a prompt back to back. So a change of load on the machine lands on a strategy and
+its greedy baseline alike, and a speedup over greedy is the median over passes of a paired ratio (the strategy's
+calls over greedy's calls of the same pass), not a ratio of two medians taken minutes apart.
 Peak memory is therefore both libraries' float32 weights (random-500m with its assistant: about 7 GB).
 
 Roofline: decoding one token reads every weight once, so the best possible greedy rate is (read bandwidth) / (weight
@@ -200,6 +202,16 @@ class Measurement:
         """Tokens/s of each prompt, the median over the timed passes."""
         return {c.prompt: statistics.median(len(p[i].tokens) / p[i].seconds for p in self.passes)
                 for i, c in enumerate(self.passes[0])}
+
+    def speedups_over(self, base: "Measurement", prompt: str | None = None) -> list[float]:
+        """This strategy's tokens/s over `base`'s (the same library's greedy), pass by pass: in pass r, the calls
+        of both on a prompt ran back to back (see measure_all), so each ratio compares neighbours in time and a
+        slow stretch of the machine cancels out of it. `prompt`: that prompt only; else the whole pass."""
+        def rate(calls: list[Call]) -> float:
+            chosen = [c for c in calls if prompt is None or c.prompt == prompt]
+            return sum(len(c.tokens) for c in chosen) / sum(c.seconds for c in chosen)
+
+        return [rate(mine) / rate(theirs) for mine, theirs in zip(self.passes, base.passes)]
 
     def acceptance_by_prompt(self) -> dict[str, float]:
         return {c.prompt: c.accepted / c.drafted if c.drafted else math.nan for c in self.passes[0]}
@@ -467,15 +479,20 @@ CallFn = Callable[[str, np.ndarray], Call]
 def measure_all(model: str, calls: dict[tuple[str, str], CallFn], prompts: dict[str, np.ndarray],
                 repeats: int) -> dict[tuple[str, str], Measurement]:
     """One untimed pass of every (library, strategy) over the prompts (jaxspec compiles there), then `repeats`
-    timed rounds, each running one pass of every (library, strategy) in turn: a load change on a shared machine
-    then spreads over all of them instead of landing on whichever ran last."""
+    timed passes. A pass takes the prompts in turn and runs every (library, strategy) on a prompt back to back, so
+    a strategy's call and its greedy baseline's on the same prompt are seconds apart: a load change on a shared
+    machine lands on both (the paired ratios of `Measurement.speedups_over` cancel it) instead of on whichever
+    strategy ran during it."""
     print(f"  untimed pass (jaxspec compiles) over {len(calls)} library x strategy pairs", file=sys.stderr)
     warmups = {key: [call(name, ids) for name, ids in prompts.items()] for key, call in calls.items()}
     passes: dict[tuple[str, str], list[list[Call]]] = {key: [] for key in calls}
     for repeat in range(repeats):
         print(f"  timed pass {repeat + 1}/{repeats}", file=sys.stderr)
-        for key, call in calls.items():
-            passes[key].append([call(name, ids) for name, ids in prompts.items()])
+        for key in calls:
+            passes[key].append([])
+        for name, ids in prompts.items():
+            for key, call in calls.items():
+                passes[key][-1].append(call(name, ids))
     results = {key: Measurement(key[0], model, key[1], warmups[key], passes[key]) for key in calls}
     for (library, strategy), m in results.items():
         print(f"  {library:12s} {strategy:16s} {m.tokens_per_second:8.2f} tok/s", file=sys.stderr)
@@ -660,6 +677,11 @@ def ratio(a: float | None, b: float | None) -> float:
     return a / b if a is not None and b and not math.isnan(a) and not math.isnan(b) else math.nan
 
 
+def paired_speedup(m: Measurement | None, greedy: Measurement | None, prompt: str | None = None) -> float:
+    """The median over passes of the paired speedup over greedy (nan without either)."""
+    return statistics.median(m.speedups_over(greedy, prompt)) if m and greedy else math.nan
+
+
 def build_rows(model: str, jx: dict[str, Measurement], hf: dict[str, Measurement],
                plans: dict[str, Plan]) -> list[Row]:
     jx_greedy, hf_greedy = jx.get("greedy"), hf.get("greedy")
@@ -684,9 +706,8 @@ def build_rows(model: str, jx: dict[str, Measurement], hf: dict[str, Measurement
             hf_acceptance_rate=h.acceptance_rate if h else math.nan,
             jaxspec_mean_accepted_length=j.mean_accepted_length,
             hf_mean_accepted_length=h.mean_accepted_length if h else math.nan,
-            jaxspec_speedup_over_greedy=ratio(j.tokens_per_second, jx_greedy.tokens_per_second if jx_greedy else None),
-            hf_speedup_over_greedy=ratio(h.tokens_per_second if h else None,
-                                         hf_greedy.tokens_per_second if hf_greedy else None),
+            jaxspec_speedup_over_greedy=paired_speedup(j, jx_greedy),
+            hf_speedup_over_greedy=paired_speedup(h, hf_greedy),
             jaxspec_equal_hf_greedy=equal,
             prompts=len(j.passes[0]),
         ))
@@ -732,19 +753,22 @@ def pair(a, b, spec: str = ".2f") -> str:
 
 
 def per_prompt_lines(model: str, jx: dict[str, Measurement], hf: dict[str, Measurement]) -> list[str]:
-    """Table rows: each strategy's speedup over its own library's greedy, per prompt (jaxspec / transformers), and
-    the acceptance per prompt."""
+    """Table rows: each strategy's speedup over its own library's greedy, per prompt (jaxspec, with the range of its
+    paired per-pass ratios, / transformers), and the acceptance per prompt."""
     if "greedy" not in jx:
         return []
-    greedy = {"jx": jx["greedy"].rate_by_prompt(), "hf": hf["greedy"].rate_by_prompt() if "greedy" in hf else {}}
     lines = []
     for strategy, m in jx.items():
         if strategy == "greedy":
             continue
-        mine, theirs = m.rate_by_prompt(), hf[strategy].rate_by_prompt() if strategy in hf else {}
-        accept, accept_hf = m.acceptance_by_prompt(), hf[strategy].acceptance_by_prompt() if strategy in hf else {}
-        cells = [f"{ratio(mine[p], greedy['jx'][p]):.2f} / {fmt(ratio(theirs.get(p), greedy['hf'].get(p)))} "
-                 f"(acc. {fmt(accept[p])} / {fmt(accept_hf.get(p))})" for p in mine]
+        theirs = hf.get(strategy)
+        accept, accept_hf = m.acceptance_by_prompt(), theirs.acceptance_by_prompt() if theirs else {}
+        cells = []
+        for p in accept:
+            paired = m.speedups_over(jx["greedy"], p)
+            cells.append(f"{statistics.median(paired):.2f} {spread((min(paired), max(paired)))} / "
+                         f"{fmt(paired_speedup(theirs, hf.get('greedy'), p))} "
+                         f"(acc. {fmt(accept[p])} / {fmt(accept_hf.get(p))})")
         lines.append(f"| {model} | {strategy} | " + " | ".join(cells) + " |")
     return lines
 
@@ -778,8 +802,10 @@ def markdown(rows: list[Row], rooflines: list[Roofline], header: list[str], note
         "plain greedy tokens.",
     ]
     if per_prompt:
-        lines += ["", "Speedup over the same library's plain greedy, per prompt, jaxspec / transformers (acceptance "
-                  "jaxspec / transformers):", "",
+        lines += ["", "Speedup over the same library's plain greedy, per prompt, jaxspec (range over passes) / "
+                  "transformers (acceptance jaxspec / transformers). Each is the median over passes of a paired "
+                  "ratio: the strategy's call over greedy's call on the same prompt in the same pass, which ran "
+                  "back to back:", "",
                   "| model | strategy | " + " | ".join(prompts) + " |", "|---|---|" + "---:|" * len(prompts)]
         lines += list(per_prompt)
     if rooflines:
