@@ -153,7 +153,7 @@ def heldout_prompts(tokenizer, count: int) -> list[tuple[str, list[int]]]:
 
     out = [(name, encode(text, chat=True)) for name, text in PROMPTS.items()]
     out.append(("cli default", encode(CLI_DEFAULT_PROMPT, chat=False)))
-    for index, prompt in enumerate(prompt_set(heldout=True, stdlib_limit=64)):
+    for index, prompt in enumerate(prompt_set(heldout=True, count=64)):
         if len(out) >= count:
             break
         ids = encode(prompt.text, prompt.chat)
@@ -247,6 +247,7 @@ def bench_trained(args) -> None:
     common = dict(max_new_tokens=args.max_new_tokens)
     results = {name: {"seconds": 0.0, "tokens": 0, "hist": None, "compile": 0.0, "same": True, "drafted": 0,
                       "accepted": 0} for name, _, _ in configs}
+    by_prompt: dict[str, dict[str, float]] = {}  # prompt -> config -> acceptance
     for label, ids in prompts:
         plain = None
         for name, variant, kwargs in configs:
@@ -262,6 +263,7 @@ def bench_trained(args) -> None:
                 entry["same"] &= bool((timed.sequences == plain.sequences).all())
                 entry["drafted"] += int(timed.drafted.sum())
                 entry["accepted"] += int(timed.accepted.sum())
+                by_prompt.setdefault(label, {})[name] = int(timed.accepted.sum()) / max(int(timed.drafted.sum()), 1)
             else:
                 plain = timed
         print(f"  {label}: {len(ids)} prompt tokens, {int(plain.num_new_tokens[0])} generated", flush=True)
@@ -284,6 +286,12 @@ def bench_trained(args) -> None:
         depth = ", ".join(f"{x:.2f}" for x in per_depth_acceptance(hist))
         print(f"| {name} | {rate:.1f} | {rate / greedy:.2f}x | {entry['accepted'] / entry['drafted']:.3f} | "
               f"{depth} | {(entry['accepted'] + rounds) / rounds:.2f} | {entry['same']} |")
+    drafting = [name for name, _, kwargs in configs if kwargs]
+    print("\nAcceptance per prompt:\n")
+    print("| prompt | " + " | ".join(drafting) + " |")
+    print("|---|" + "---:|" * len(drafting))
+    for label, rates in by_prompt.items():
+        print(f"| {label} | " + " | ".join(f"{rates[name]:.2f}" for name in drafting) + " |")
     compile_total = sum(entry["compile"] for entry in results.values())
     print(f"\nCompile time (apart from the figures): {compile_total:.0f}s over all runs. Acceptance: accepted / "
           "drafted tokens; per depth: rounds that accepted at least j drafts / rounds that accepted at least j-1.")

@@ -6,9 +6,10 @@
 
 The recipe of the shipped SmolLM2-135M set is the default (see jaxspec/assets/smollm2-135m-mtp/README.md). Steps:
 1. The target's hidden states, once, cached in WORKDIR/data-*: its greedy generations from the training prompts
-   (jaxspec/train/prompts.py: hand-written instructions and prompts made from the Python standard library's
-   functions and docs, chat template or raw text), windows of the standard library's own sources, and generations
-   from a held-out prompt set that training never sees (other instructions, other stdlib modules).
+   (jaxspec/train/prompts.py: hand-written instructions and free-text requests, and, for --stdlib-share of them,
+   prompts made from the Python standard library's functions and docs; chat template or raw text), windows of the
+   standard library's own sources, and generations from a held-out prompt set that training never sees (other
+   instructions, other free-text words, other stdlib modules).
 2. `--layers K` attaches K fresh DeepSeek-style MTP layers to a Llama/Qwen2 target (replacing any it has); without
    it, the model's own MTP layers are fine-tuned (DeepSeek-V3, GLM-4.5, or a set attached before).
 3. AdamW with warmup and cosine decay; depth k learns the target's own next-token distribution k+1 tokens past its
@@ -40,13 +41,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="attach this many fresh MTP layers (Llama/Qwen2); default: fine-tune the model's own")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="V': drafts use a head over the V' most frequent training tokens (0: the full head)")
-    p.add_argument("--train-prompts", type=int, default=640, help="training prompts the target answers")
+    p.add_argument("--train-prompts", type=int, default=1536, help="training prompts the target answers")
     p.add_argument("--heldout-prompts", type=int, default=64, help="held-out prompts (never trained on)")
+    p.add_argument("--stdlib-share", type=float, default=0.5,
+                   help="share of the prompts made from standard-library code (the rest: instructions and free text)")
     p.add_argument("--stdlib-windows", type=int, default=192, help="windows of standard-library source")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--max-prompt-len", type=int, default=160)
     p.add_argument("--gen-batch-size", type=int, default=32)
-    p.add_argument("--steps", type=int, default=450)
+    p.add_argument("--steps", type=int, default=1400)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=50)
@@ -63,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.layers is not None and args.layers < 1:
         p.error("--layers must be >= 1")
+    if not 0.0 <= args.stdlib_share <= 1.0:
+        p.error("--stdlib-share must be between 0 and 1")
     if args.draft_vocab < 0:
         p.error("--draft-vocab must be >= 0")
     if not 0 < args.max_prompt_len < args.seq_len:
@@ -95,8 +100,8 @@ def main(argv=None) -> int:
     eos = model.eos_token_ids()
 
     # -- the plan, timed on this machine ----------------------------------------------------------------------
-    recipe = {key: getattr(args, key) for key in ("train_prompts", "heldout_prompts", "stdlib_windows", "seq_len",
-                                                  "max_prompt_len", "seed")}
+    recipe = {key: getattr(args, key) for key in ("train_prompts", "heldout_prompts", "stdlib_share",
+                                                  "stdlib_windows", "seq_len", "max_prompt_len", "seed")}
     recipe |= {"model": model.source, "python": sys.version.split()[0], "dtype": str(model.dtype)}
     data_dir = os.path.join(workdir, "data-" + hashlib.sha256(json.dumps(recipe, sort_keys=True).encode())
                             .hexdigest()[:12])
@@ -173,8 +178,9 @@ def _build_data(model, args, eos, prompt_sets, data):
     from tqdm.auto import tqdm
 
     tokenizer, module = model.tokenizer, model.module
-    train_prompts = prompt_sets.prompt_set(heldout=False, stdlib_limit=args.train_prompts, seed=args.seed)
-    heldout_prompts = prompt_sets.prompt_set(heldout=True, stdlib_limit=args.heldout_prompts, seed=args.seed)
+    # A quarter more than needed: prompts longer than --max-prompt-len are dropped when encoded.
+    train_prompts = prompt_sets.prompt_set(False, args.train_prompts * 5 // 4, args.stdlib_share, seed=args.seed)
+    heldout_prompts = prompt_sets.prompt_set(True, args.heldout_prompts * 5 // 4, args.stdlib_share, seed=args.seed)
     train_ids = _pick(data.encode_prompts(tokenizer, train_prompts, args.max_prompt_len), args.train_prompts,
                       args.seed)
     heldout_ids = _pick(data.encode_prompts(tokenizer, heldout_prompts, args.max_prompt_len), args.heldout_prompts,
@@ -223,7 +229,8 @@ def _calibrate(model, args, depths: int, need_data: bool) -> dict[str, float]:
     from jaxspec.train import data as data_module
     from jaxspec.train.export import attach_mtp_layers
     from jaxspec.train.loop import committed
-    from jaxspec.train.step import OptimConfig, make_optimizer, make_train_step, split_trainable
+    from jaxspec.train.step import (OptimConfig, make_draft_tokens, make_eval_loss, make_optimizer, make_train_step,
+                                    split_trainable)
 
     rng = np.random.default_rng(0)
     rates = {}
@@ -258,6 +265,14 @@ def _calibrate(model, args, depths: int, need_data: bool) -> dict[str, float]:
         jax.block_until_ready(metrics)
         if timed:
             rates["train_step"] = time.perf_counter() - start
+    # A held-out evaluation: every depth's drafts and the loss over each batch of held-out rows.
+    drafts = make_draft_tokens(graphdef, depths)
+    loss = make_eval_loss(graphdef, depths, bool(getattr(probe.config, "draft_vocab_size", 0)))
+    for timed in (False, True):
+        start = time.perf_counter()
+        jax.block_until_ready((drafts(trainable, frozen, batch[0], batch[2]), loss(trainable, frozen, *batch)))
+        if timed:
+            rates["eval_row"] = (time.perf_counter() - start) / args.batch_size
     return rates
 
 
@@ -267,7 +282,9 @@ def _estimate(args, rates: dict[str, float], need_data: bool) -> dict[str, float
         batches = -(-(args.train_prompts + args.heldout_prompts) // args.gen_batch_size)
         out["generation"] = batches * (args.seq_len - 40) * rates["gen_step"]  # prompts take ~40 of the positions
         out["stdlib windows"] = -(-args.stdlib_windows // args.batch_size) * rates["forward_batch"]
-    out["training"] = args.steps * rates["train_step"] * 1.05  # held-out evaluations add about 5%
+    out["training"] = args.steps * rates["train_step"]
+    evaluations = args.steps // args.eval_every + 2  # before the first step, every --eval-every, after the last
+    out["held-out evaluations"] = evaluations * -(-args.heldout_prompts // 8) * 8 * rates["eval_row"]  # batches of 8
     return out
 
 

@@ -305,6 +305,40 @@ def test_finetunes_existing_moe_mtp_layers(family, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The prompt sets
+
+
+def test_heldout_prompts_are_never_trained_on_and_the_mix_follows_the_share():
+    """No prompt, free-text word or stdlib module is in both splits, and neither is any prompt that
+    scripts/bench_mtp.py reports as unseen (scripts/bench.py's and the CLI's default)."""
+    import ast
+    import sys
+
+    from jaxspec.train import prompts as sets
+
+    train, heldout = sets.prompt_set(False, 400, stdlib_share=0.25), sets.prompt_set(True, 40, stdlib_share=0.25)
+    assert len(train) == 400 and sum(p.stdlib for p in train) == 100
+    assert not {p.text for p in train} & {p.text for p in heldout}
+    for name in dir(sets):
+        if name.startswith("TRAIN_") and hasattr(sets, "HELDOUT_" + name[6:]):
+            assert not set(getattr(sets, name)) & set(getattr(sets, "HELDOUT_" + name[6:])), name
+    assert not {sets.is_heldout_file(path) for path in sets.training_files()} - {False}
+
+    scripts = os.path.join(os.path.dirname(__file__), os.pardir, "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        from _bench_prompts import PROMPTS
+    finally:
+        sys.path.remove(scripts)
+    with open(os.path.join(scripts, "bench_mtp.py"), encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    cli_default = next(node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                       and node.targets[0].id == "CLI_DEFAULT_PROMPT")
+    everything_trained = {p.text for p in sets.prompt_set(False, 5000, stdlib_share=0.0)}
+    assert not (set(PROMPTS.values()) | {cli_default}) & everything_trained
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The command line, end to end on a tiny target
 
 
