@@ -198,11 +198,6 @@ class Measurement:
         rounds = self.total("rounds")
         return self.total("round_tokens") / rounds if rounds else math.nan
 
-    def rate_by_prompt(self) -> dict[str, float]:
-        """Tokens/s of each prompt, the median over the timed passes."""
-        return {c.prompt: statistics.median(len(p[i].tokens) / p[i].seconds for p in self.passes)
-                for i, c in enumerate(self.passes[0])}
-
     def speedups_over(self, base: "Measurement", prompt: str | None = None) -> list[float]:
         """This strategy's tokens/s over `base`'s (the same library's greedy), pass by pass: in pass r, the calls
         of both on a prompt ran back to back (see measure_all), so each ratio compares neighbours in time and a
