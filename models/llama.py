@@ -317,25 +317,31 @@ class LlamaForCausalLM(nnx.Module):
         out = L.rms_norm(x, p["out_norm"], eps)
         return out, self.logits(out), KVCache(k=k_cache, v=v_cache)
 
-    def draft_vocab_logits(self, hidden: jax.Array) -> jax.Array:
-        """The draft head over the V' token ids of `draft_vocab`: [..., D] -> [..., V'], float32."""
+    def draft_head(self) -> jax.Array:
+        """[V', D]: the head's rows for the draft vocabulary's ids. Gathering them reads as many bytes as the product
+        that uses them, so decoding gathers them once per call (`MtpDrafter.init`), not once per draft step."""
         ids = self.draft_vocab[...]
-        if self.cfg.tie_word_embeddings:
-            return jnp.einsum("...d,vd->...v", hidden, self.embed[...][ids], preferred_element_type=jnp.float32)
-        return jnp.einsum("...d,dv->...v", hidden, self.lm_head[...][:, ids], preferred_element_type=jnp.float32)
+        return self.embed[...][ids] if self.cfg.tie_word_embeddings else self.lm_head[...].T[ids]
 
-    def draft_logits(self, hidden: jax.Array) -> jax.Array:
+    def draft_vocab_logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
+        """The draft head over the V' token ids of `draft_vocab`: [..., D] -> [..., V'], float32. `head`: this
+        model's `draft_head()`, where the caller gathered it already."""
+        head = self.draft_head() if head is None else head
+        return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
+
+    def draft_logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
         """Logits that MTP drafts are chosen from: [..., D] -> [..., V], float32.
 
-        With a draft vocabulary only its V' columns of the head are computed and every other token gets -inf: the
-        draft distribution q is zero outside V', which keeps speculative sampling exact (a draft is accepted with
-        min(1, p/q), and the residual max(p - q, 0) gives the target's mass outside V' back) and leaves greedy
-        output unchanged (verification decides every committed token). Without one, this is the full head.
+        With a draft vocabulary only its V' columns of the head are computed (`head`: `draft_head()`, if gathered
+        already) and every other token gets -inf: the draft distribution q is zero outside V', which keeps
+        speculative sampling exact (a draft is accepted with min(1, p/q), and the residual max(p - q, 0) gives the
+        target's mass outside V' back) and leaves greedy output unchanged (verification decides every committed
+        token). Without one, this is the full head.
         """
         if not self.cfg.draft_vocab_size:
             return self.logits(hidden)
         full = jnp.full((*hidden.shape[:-1], self.cfg.vocab_size), -jnp.inf, jnp.float32)
-        return full.at[..., self.draft_vocab[...]].set(self.draft_vocab_logits(hidden))
+        return full.at[..., self.draft_vocab[...]].set(self.draft_vocab_logits(hidden, head))
 
     def _check_mtp_depth(self, depth: int):
         if not 0 <= depth < self.cfg.num_mtp_layers:

@@ -27,6 +27,7 @@ vocabulary (`draft_logits`) heads its drafts with those tokens only: q is zero e
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -50,6 +51,7 @@ class MtpState:
     outputs: jax.Array  # [K, B, S, D] each depth's normed output at each position (the next depth's input)
     synced: jax.Array  # [K, B] depth k's cache entries and outputs below synced[k] are committed entries
     length: DraftLength
+    draft_head: jax.Array | None  # [V', D] the draft vocabulary's head rows, gathered once per call; None without
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,7 @@ class MtpDrafter(Drafter):
             outputs=jnp.zeros((self.max_draft, batch, size, width), target.dtype),
             synced=jnp.zeros((self.max_draft, batch), jnp.int32),
             length=self.schedule.init(batch, ctx.draft_inputs["initial_draft_length"]),
+            draft_head=target.draft_head() if getattr(target.cfg, "draft_vocab_size", 0) else None,
         )
 
     def prefill_chunk(self, ctx: Context, state: MtpState, chunk: PrefillChunk) -> MtpState:
@@ -100,7 +103,10 @@ class MtpDrafter(Drafter):
         sequence = jnp.take_along_axis(loop.tokens, jnp.clip(window, 0, size - 1), axis=1)
         sequence = jnp.concatenate([sequence, jnp.zeros((batch, k), jnp.int32)], axis=1)  # [B, 2K+1]
         # A model with a draft vocabulary heads its drafts with those V' tokens only (zero q elsewhere).
-        draft_logits = getattr(target, "draft_logits", target.logits)
+        if state.draft_head is not None:
+            draft_logits = functools.partial(target.draft_logits, head=state.draft_head)
+        else:
+            draft_logits = target.logits
         vocab = target.cfg.vocab_size
         carry = (state.caches, state.outputs, state.synced, sequence, loop.tokens,
                  _input_states(state.main_hidden, state.outputs, 0, window),  # [B, K+1, D] depth 0's input
