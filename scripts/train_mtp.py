@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="attach this many fresh MTP layers (Llama/Qwen2); default: fine-tune the model's own")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="V': drafts use a head over the V' most frequent training tokens (0: the full head)")
-    p.add_argument("--train-prompts", type=int, default=1536, help="training prompts the target answers")
+    p.add_argument("--train-prompts", type=int, default=2560, help="training prompts the target answers")
     p.add_argument("--heldout-prompts", type=int, default=64, help="held-out prompts (never trained on)")
     p.add_argument("--stdlib-share", type=float, default=0.5,
                    help="share of the prompts made from standard-library code (the rest: instructions and free text)")
