@@ -484,15 +484,20 @@ class MoeCausalLM(nnx.Module):
     def final_hidden(self, x: jax.Array) -> jax.Array:
         return L.rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """LM head over final-normed hidden states: [..., D] -> [..., V], always float32."""
-        head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+    def logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
+        """LM head over final-normed hidden states: [..., D] -> [..., V], always float32. `head`: the [D, V] head
+        where the caller holds it in another layout (`jaxspec.head.verify_head`), else this model's own."""
+        head = self.head_matrix() if head is None else head
         return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache):
+    def head_matrix(self) -> jax.Array:
+        """[D, V]: the tied embedding, transposed (a view XLA folds into the product), or the untied head."""
+        return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache, head: jax.Array | None = None):
         x, cache = self.run_layers(self.embed_tokens(tokens), positions, cache)
         hidden = self.final_hidden(x)
-        return self.logits(hidden), hidden, cache
+        return self.logits(hidden, head), hidden, cache
 
     def init_cache(self, batch: int, size: int):
         return self._constrain_cache(self.new_cache(self.cfg.num_layers, batch, size))

@@ -114,6 +114,7 @@ class Context:
     do_sample: bool
     ngram_slots: int
     draft_inputs: dict[str, jax.Array]  # the drafter's run-time settings (`Drafter.runtime_inputs`)
+    head: jax.Array | None = None  # [D, V] the target's head for verifying forwards, on CPU (jaxspec/head.py)
 
     def process(self, logits: jax.Array, tokens: jax.Array, start: jax.Array, prompt_lengths: jax.Array) -> jax.Array:
         """Processed logits [B, W, V] for positions whose prefix is tokens[b, :start[b] + j]."""
@@ -295,7 +296,7 @@ class Drafter:
 
     def target_forward(self, ctx: Context, tokens, positions, cache, state):
         """The verifying forward: `(logits, hidden, cache)`. Early exit overrides it to reuse its layers."""
-        return ctx.target(tokens, positions, cache)
+        return ctx.target(tokens, positions, cache, head=ctx.head)
 
 
 def room_for_drafts(loop: DecodeState) -> jax.Array:

@@ -1,0 +1,44 @@
+"""The verifying LM head in the layout XLA:CPU multiplies fastest.
+
+A tied head is the embedding read as [D, V] through a transpose of its [V, D] array. XLA folds that transpose into
+the product, and at one position the product costs the same either way. At the 2-4 positions of a verify block,
+XLA:CPU is slower on the folded [V, D] operand than on a contiguous [D, V] array: on SmolLM2-135M's head (49,152 x
+576, float32, batch 1) 4.1-4.5 ms against 3.3-3.4 ms, about 5% of a whole target step
+(`python scripts/bench_verify_width.py` times both).
+
+So on CPU, `generate` hands the loop a contiguous [D, V] copy of a tied head (`verify_head`) and the target's
+verifying forwards use it (`Context.head`). The copy costs a second embedding's memory for as long as the model
+lives (113 MB for SmolLM2-135M, 545 MB for Qwen2.5-0.5B in float32) and one transpose when it is first made (36 and
+172 ms), so it is made once per model and kept. Accelerators choose their own layouts and get no copy; neither do
+untied heads, which are stored [D, V] already.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh
+
+from .loading import Model
+
+_transpose = jax.jit(lambda matrix: matrix.T)
+
+
+def wants_contiguous_head(model: Model) -> bool:
+    """A tied head on XLA:CPU: the case where a [D, V] copy makes verify blocks cheaper."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return False
+    return all(device.platform == "cpu" for device in model.module.embed[...].devices())
+
+
+def verify_head(model: Model, target_state, mesh: Mesh | None) -> jax.Array | None:
+    """[D, V]: a contiguous copy of `model`'s tied head for the verifying forwards, or None where the model's own
+    head serves (accelerators, untied heads). `target_state`: the module's state as the loop receives it (sharded on
+    `mesh` if any); the copy is transposed from its embedding, so it inherits that sharding. It is cached on `model`
+    until the module's embedding is replaced."""
+    if not wants_contiguous_head(model):
+        return None
+    source = model.module.embed[...]
+    cached = model.head_cache
+    if cached is None or cached[0] is not source or cached[1] != mesh:
+        model.head_cache = (source, mesh, _transpose(target_state["embed"].get_value()))
+    return model.head_cache[2]
