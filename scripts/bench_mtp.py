@@ -6,7 +6,8 @@
 Default: a model with trained MTP layers (the catalogue's SmolLM2-135M with its shipped set, or any folder with
 MTP layers) on prompts that training never saw (jaxspec.train.prompts' held-out set, the prompts of
 scripts/bench.py, and the CLI's default prompt). For K = 1, 2 and 3 drafts per round (constant schedule), with the
-reduced draft vocabulary and with the full head, and for the default (every layer, adaptive schedule), it prints
+reduced draft vocabulary and with the full head, and for the default (`--strategy mtp`: the adaptive schedule, up to the
+draft length the layers recommend, else one draft per layer), it prints
 tokens/s against plain greedy (all in one run, decode time only, compile reported apart), the acceptance rate, the
 acceptance per depth (draft j accepted, given drafts < j were; meaningful under the constant schedule), tokens per
 round and whether the output equals plain greedy; then what one draft step costs against one target step, with
@@ -245,8 +246,10 @@ def bench_trained(args) -> None:
             # The constant schedule drafts K every round, so the histogram gives the acceptance per depth.
             configs.append((f"mtp K={k}, {head}", variant, dict(use_mtp=True, num_assistant_tokens=k,
                                                                 num_assistant_tokens_schedule="constant")))
-    # What `--strategy mtp` runs: every layer, the adaptive schedule (it drafts only where drafting pays).
-    configs.append((f"mtp K={layers}, adaptive schedule (the default)", model, dict(use_mtp=True)))
+    # What `--strategy mtp` runs: the adaptive schedule (it drafts only where drafting pays), up to the draft length
+    # the layers recommend (mtp_num_assistant_tokens), else one draft per layer.
+    default_k = model.hf_config.get("mtp_num_assistant_tokens") or layers
+    configs.append((f"mtp K={default_k}, adaptive schedule (the default)", model, dict(use_mtp=True)))
 
     common = dict(max_new_tokens=args.max_new_tokens)
     results = {name: {"seconds": 0.0, "tokens": 0, "hist": None, "compile": 0.0, "same": True, "drafted": 0,

@@ -1,7 +1,7 @@
 """Train MTP (multi-token prediction) layers for a target by self-distillation, offline, and write them where
 `jaxspec.load` finds them (`use_mtp=True`, `--strategy mtp`).
 
-    python scripts/train_mtp.py --layers 3 --draft-vocab 8192 --asset jaxspec/assets/smollm2-135m-mtp
+    python scripts/train_mtp.py --layers 3 --default-drafts 2 --asset jaxspec/assets/smollm2-135m-mtp
     python scripts/train_mtp.py --model path/to/deepseek-or-glm --out converted/finetuned --steps 300
 
 The recipe of the shipped SmolLM2-135M set is the default (see jaxspec/assets/smollm2-135m-mtp/README.md). Steps:
@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="attach this many fresh MTP layers (Llama/Qwen2); default: fine-tune the model's own")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="V': drafts use a head over the V' most frequent training tokens (0: the full head)")
+    p.add_argument("--default-drafts", type=int, default=None,
+                   help="record this as the asset's draft length for use_mtp when generate gets none (default: one "
+                        "per layer); scripts/bench_mtp.py measures which K pays")
     p.add_argument("--train-prompts", type=int, default=2560, help="training prompts the target answers")
     p.add_argument("--heldout-prompts", type=int, default=64, help="held-out prompts (never trained on)")
     p.add_argument("--stdlib-share", type=float, default=0.5,
@@ -68,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--layers must be >= 1")
     if not 0.0 <= args.stdlib_share <= 1.0:
         p.error("--stdlib-share must be between 0 and 1")
+    if args.default_drafts is not None and args.default_drafts < 1:
+        p.error("--default-drafts must be >= 1")
     if args.draft_vocab < 0:
         p.error("--draft-vocab must be >= 0")
     if not 0 < args.max_prompt_len < args.seq_len:
@@ -166,6 +171,8 @@ def main(argv=None) -> int:
     if args.asset:
         extra = {"base": args.model, "heldout": final, "recipe": recipe | {"model": args.model},
                  "train_config": result.history["settings"]}
+        if args.default_drafts is not None:
+            extra["mtp_num_assistant_tokens"] = args.default_drafts
         print(f"wrote {save_mtp_asset(result.model, args.asset, extra_config=extra)}")
     if args.out:
         from jaxspec import checkpoint

@@ -8,6 +8,7 @@ one MTP layer to learn) is trained once per module; the later tests read its res
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -25,6 +26,7 @@ from jaxspec import checkpoint
 from jaxspec.assets import attach_mtp_asset, read_asset_config, strip_draft_vocab, strip_mtp
 from jaxspec.convert.rules import CheckpointMismatch
 from jaxspec.models.moe import mtp_chain_from_scratch
+from jaxspec.strategies import choose_strategy
 from jaxspec.train import OptimConfig, TrainConfig, attach_mtp_layers, data, save_mtp_asset, train
 from jaxspec.train.losses import draft_tokens, simulate_greedy_rounds
 from tests import hf_models
@@ -355,7 +357,7 @@ def test_train_script_writes_an_asset_and_a_conversion(tmp_path):
     spec.loader.exec_module(cli)
     args = ["--model", folder, "--layers", "1", "--draft-vocab", "32", "--train-prompts", "8", "--heldout-prompts",
             "4", "--stdlib-windows", "4", "--seq-len", "32", "--max-prompt-len", "16", "--gen-batch-size", "8",
-            "--batch-size", "4", "--steps", "6", "--eval-every", "3", "--checkpoint-every", "3",
+            "--batch-size", "4", "--steps", "6", "--eval-every", "3", "--checkpoint-every", "3", "--default-drafts", "2",
             "--workdir", str(tmp_path / "work"), "--asset", str(tmp_path / "asset"), "--out", str(tmp_path / "out")]
     assert cli.main(args) == 0
     summary = json.loads((tmp_path / "work" / "summary.json").read_text())
@@ -365,6 +367,12 @@ def test_train_script_writes_an_asset_and_a_conversion(tmp_path):
     assert model.config.num_mtp_layers == 1 and model.config.draft_vocab_size == 32
     attached = attach_mtp_asset(jaxspec.load(folder), str(tmp_path / "asset"))
     assert attached.config.num_mtp_layers == 1
+    # The asset's recommended draft length is use_mtp's default; an argument overrides it; a bad one is named.
+    assert choose_strategy(attached, do_sample=False, use_mtp=True).drafter.max_draft == 2
+    assert choose_strategy(attached, do_sample=False, use_mtp=True, num_assistant_tokens=1).drafter.max_draft == 1
+    broken = dataclasses.replace(attached, hf_config=attached.hf_config | {"mtp_num_assistant_tokens": 0})
+    with pytest.raises(ValueError, match="mtp_num_assistant_tokens must be an integer >= 1"):
+        jaxspec.generate(broken, [[5, 6, 7]], max_new_tokens=4, use_mtp=True)
     ids = [[5, 6, 7]]
     plain = jaxspec.generate(model, ids, max_new_tokens=8, eos_token_id=[])
     np.testing.assert_array_equal(jaxspec.generate(model, ids, max_new_tokens=8, eos_token_id=[],

@@ -1,7 +1,8 @@
 """Trained MTP layers shipped inside the package, and how a loaded model gets them.
 
 An asset is a folder here with `config.json` (the keys it adds to the model's config: `num_nextn_predict_layers`,
-`draft_vocab_size`, and `base`, the catalogue entry it was trained for) and `model.safetensors` holding only the MTP
+`draft_vocab_size`, optionally `mtp_num_assistant_tokens`, the draft length `use_mtp` uses when `generate` is given
+none, and `base`, the catalogue entry it was trained for) and `model.safetensors` holding only the MTP
 tensors, in the layout of an HF checkpoint with MTP layers (`model.layers.{N + k}.*`, DeepSeek-V3's names, and
 `model.draft_vocab`). A catalogue entry names its asset (`CatalogEntry.mtp_asset`); loading that entry attaches it
 (`attach_mtp_asset`). The target's own weights are untouched, so plain decoding is unaffected.
@@ -20,7 +21,7 @@ from flax import nnx
 
 ASSETS_DIR = os.path.dirname(os.path.abspath(__file__))
 MTP_FILE = "model.safetensors"
-CONFIG_KEYS = ("num_nextn_predict_layers", "draft_vocab_size")
+CONFIG_KEYS = ("num_nextn_predict_layers", "draft_vocab_size", "mtp_num_assistant_tokens")
 
 
 def asset_folder(name: str) -> str:

@@ -149,7 +149,12 @@ def _mtp(model, arguments, keep_probs: bool) -> StrategyChoice:
             f"use_mtp=True needs multi-token-prediction layers, but this {model.config.__class__.__name__} has none "
             "(config.json's num_nextn_predict_layers is 0 or absent, or the family has no MTP layers)."
         )
-    drafts = arguments.get("num_assistant_tokens") or layers
+    # Unless the caller sets it: the draft length the layers' config recommends (the shipped SmolLM2 set records the
+    # K that scripts/bench_mtp.py measured best), else one draft per MTP layer.
+    recommended = model.hf_config.get("mtp_num_assistant_tokens")
+    if recommended is not None:
+        _check_positive_int("config.json's mtp_num_assistant_tokens", recommended)
+    drafts = arguments.get("num_assistant_tokens") or recommended or layers
     _check_positive_int("num_assistant_tokens", drafts)
     kind = _schedule_kind(arguments.get("num_assistant_tokens_schedule") or "adaptive", ("adaptive", "constant"),
                           "use_mtp")
