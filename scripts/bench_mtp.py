@@ -1,6 +1,7 @@
 """MTP decoding (`use_mtp=True`), measured side by side in one run (CPU, float32, batch 1).
 
     python scripts/bench_mtp.py [--model smollm2-135m] [--max-new-tokens 128] [--repeats 2] [--prompts 12]
+    python scripts/bench_mtp.py --acceptance-only [--prompts 70]
     python scripts/bench_mtp.py --model random-deepseek [--layers 8] [--mtp-layers 1]
 
 Default: a model with trained MTP layers (the catalogue's SmolLM2-135M with its shipped set, or any folder with
@@ -12,6 +13,9 @@ tokens/s against plain greedy (all in one run, decode time only, compile reporte
 acceptance per depth (draft j accepted, given drafts < j were; meaningful under the constant schedule), tokens per
 round and whether the output equals plain greedy; then what one draft step costs against one target step, with
 each head.
+
+`--acceptance-only`: acceptance alone, over many more prompts in the same time: one greedy decode per prompt and K
+(constant schedule, the model's draft head), no timing. `--prompts 70` reads every held-out prompt that fits.
 
 `--model random-deepseek`: a random DeepSeek-V3-shaped model against transformers' `generate(use_mtp=True)`. Its
 MTP layers are random, so they accept almost nothing: the figures show what an MTP round costs over a plain step.
@@ -312,6 +316,46 @@ def bench_trained(args) -> None:
         print(f"| MTP draft step (window 2), {head} | {draft * 1e3:.2f} | {draft / target:.3f} |")
 
 
+def bench_acceptance(args) -> None:
+    """Acceptance per depth for K = 1, 2, 3 over `--prompts` unseen prompts: for the fixed prompts, for the held-out
+    set, and for both. Greedy acceptance needs no timing, so each prompt and K decodes once."""
+    import jaxspec
+
+    model = jaxspec.load(args.model)
+    layers = getattr(model.module, "num_mtp_layers", 0)
+    if not layers:
+        raise SystemExit(f"{args.model} has no MTP layers (num_nextn_predict_layers is 0 or absent).")
+    prompts = heldout_prompts(model.tokenizer, args.prompts)
+    depths = [k for k in (1, 2, 3) if k <= layers] if not args.extra_drafts else [1, 2, 3]
+    groups = {"bench.py's prompts and the CLI's default": lambda label: not label.startswith("held-out"),
+              "held-out training-set prompts": lambda label: label.startswith("held-out"), "all": lambda label: True}
+    totals = {(group, k): np.zeros(k + 1, np.int64) for group in groups for k in depths}
+    accepted_drafted = {(group, k): [0, 0] for group in groups for k in depths}
+    for label, ids in prompts:
+        for k in depths:
+            out = jaxspec.generate(model, [ids], max_new_tokens=args.max_new_tokens, use_mtp=True,
+                                   num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
+            for group, member in groups.items():
+                if member(label):
+                    totals[group, k] += out.accepted_hist.sum(0)
+                    accepted_drafted[group, k][0] += int(out.accepted.sum())
+                    accepted_drafted[group, k][1] += int(out.drafted.sum())
+    counts = {group: sum(member(label) for label, _ in prompts) for group, member in groups.items()}
+    print(f"\n# {args.model}: acceptance on {len(prompts)} unseen prompts, greedy, batch 1, up to "
+          f"{args.max_new_tokens} new tokens, constant schedule\n")
+    print("| prompts | K | acceptance | per depth | tokens per round |")
+    print("|---|---:|---:|---|---:|")
+    for group in groups:
+        for k in depths:
+            hist, (accepted, total) = totals[group, k], accepted_drafted[group, k]
+            if not total:
+                continue
+            rounds = hist.sum()
+            depth = ", ".join(f"{x:.3f}" for x in per_depth_acceptance(hist))
+            print(f"| {group} ({counts[group]}) | {k} | {accepted / total:.3f} | {depth} | "
+                  f"{(accepted + rounds) / rounds:.2f} |")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m",
@@ -321,6 +365,8 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, default=12, help="held-out prompts (trained model)")
     p.add_argument("--extra-drafts", action="store_true",
                    help="also K beyond the number of MTP layers (the last layer drafts the extra tokens)")
+    p.add_argument("--acceptance-only", action="store_true",
+                   help="acceptance per depth over --prompts unseen prompts, without timing (trained model)")
     p.add_argument("--layers", type=int, default=8, help="random-deepseek: main layers")
     p.add_argument("--mtp-layers", type=int, default=1, help="random-deepseek: MTP layers")
     args = p.parse_args(argv)
@@ -329,7 +375,7 @@ def main(argv=None) -> None:
         bench_random_deepseek(args)
     else:
         args.max_new_tokens = args.max_new_tokens or 128
-        bench_trained(args)
+        (bench_acceptance if args.acceptance_only else bench_trained)(args)
 
 
 if __name__ == "__main__":

@@ -344,7 +344,7 @@ def test_heldout_prompts_are_never_trained_on_and_the_mix_follows_the_share():
 # The command line, end to end on a tiny target
 
 
-def test_train_script_writes_an_asset_and_a_conversion(tmp_path):
+def test_train_script_writes_an_asset_and_a_conversion(tmp_path, capsys):
     import importlib.util
 
     from tests.test_checkpoint import tiny_tokenizer
@@ -377,6 +377,16 @@ def test_train_script_writes_an_asset_and_a_conversion(tmp_path):
     plain = jaxspec.generate(model, ids, max_new_tokens=8, eos_token_id=[])
     np.testing.assert_array_equal(jaxspec.generate(model, ids, max_new_tokens=8, eos_token_id=[],
                                                    use_mtp=True).sequences, plain.sequences)
+    # bench_mtp.py's acceptance table runs on the conversion: the fixed prompts and held-out ones, apart and together.
+    bench_spec = importlib.util.spec_from_file_location("bench_mtp_cli", os.path.join(os.path.dirname(path),
+                                                                                       "bench_mtp.py"))
+    bench = importlib.util.module_from_spec(bench_spec)
+    bench_spec.loader.exec_module(bench)
+    capsys.readouterr()
+    bench.main(["--model", str(tmp_path / "out"), "--acceptance-only", "--prompts", "8", "--max-new-tokens", "6"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "| 1 |" in line]
+    assert [row.split(" | ")[0] for row in rows] == ["| bench.py's prompts and the CLI's default (6)",
+                                                     "| held-out training-set prompts (2)", "| all (8)"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
