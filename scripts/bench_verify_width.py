@@ -5,12 +5,11 @@ figures behind the adaptive schedule's verify costs (`jaxspec.strategies.base.de
 
 Per width, one jitted loop of `--steps` target forwards at batch 1 that writes a 512-position cache in place (as
 the decode loop does; the cache is donated), from position 200; best of 4 runs, printed as milliseconds per forward
-and as the ratio to width 1, side by side in one run. Where `generate` verifies with a contiguous copy of a tied head (on CPU: jaxspec/head.py),
-both heads are timed: the tied embedding read through a transpose, and the copy that decoding uses. Timing single
-calls instead would add a copy of the whole
-cache and a dispatch to every width, which hides most of the difference. On a CPU the ratio shows what leaving the
-memory-bound matrix-vector path costs (the LM head's matrix multiply at 2 rows costs about twice its 1-row
-product); on an accelerator it stays near 1.
+and as the ratio to width 1, side by side in one run. Where `generate` verifies with a contiguous copy of a tied
+head (on CPU: jaxspec/head.py), both heads are timed: the tied embedding read through a transpose, and the copy that
+decoding uses. Timing single calls instead would add a copy of the whole cache and a dispatch to every width, which
+hides most of the difference. On a CPU the ratio shows what leaving the memory-bound matrix-vector path costs (the
+LM head's matrix multiply at 2 rows costs about twice its 1-row product); on an accelerator it stays near 1.
 """
 
 from __future__ import annotations
@@ -32,14 +31,12 @@ def main(argv=None) -> None:
     from flax import nnx
 
     import jaxspec
-
     from jaxspec.head import verify_head
 
     model = jaxspec.load(args.model)
     graphdef, state = nnx.split(model.module)
-    heads = {"generate's head": verify_head(model, state, None)}
-    if heads["generate's head"] is not None:
-        heads = {"tied view": None, "contiguous copy (generate)": heads["generate's head"]}
+    copy = verify_head(model, state, None)  # None where generate verifies with the model's own head
+    heads = {"model's head": None} if copy is None else {"tied view": None, "contiguous copy (generate)": copy}
 
     def timed_loop(width: int):
         def loop(state, head, cache):
@@ -75,6 +72,7 @@ def main(argv=None) -> None:
     for w in widths:
         cells = [f"{times[name, w] * 1e3:.2f} | {times[name, w] / times[name, 1]:.2f}" for name in heads]
         print(f"| {w} | " + " | ".join(cells) + " |")
+
 
 if __name__ == "__main__":
     sys.exit(main())
