@@ -6,6 +6,9 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The adaptive schedule's fixed step costs, not ones timed on whatever machine runs the suite: tests that count
+# drafts stay deterministic. tests/test_costs.py measures them as users' runs do.
+os.environ.setdefault("JAXSPEC_STEP_COSTS", "default")
 
 import pytest
 

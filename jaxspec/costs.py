@@ -1,0 +1,203 @@
+"""Step costs measured on the machine that decodes: what the adaptive schedule prices drafts with.
+
+The adaptive schedule (jaxspec/strategies/base.py) drafts the length that maximises expected tokens per cost, so it
+is only as good as its costs: a verify block of W tokens, in plain decoding steps, and one assistant forward, in
+target steps. Both depend on the machine far more than on the model. On this project's 2-core build machine a
+two-token Qwen2.5-Coder-0.5B verify block cost 1.16 plain steps one day and 1.81 on another
+(`python scripts/bench_verify_width.py --model qwen2.5-coder-0.5b`: the memory bandwidth had fallen from about 60
+to 25 GB/s, and a matrix multiply of two rows pays more for it than a matrix-vector product). An assistant's forward
+is dearer than its share of the weights says (SmolLM2-135M reads a fifth of Qwen 0.5B's bytes and costs over a
+third of its step: its 30 layers each pay attention and small-kernel overheads). Priced with fixed figures, a
+schedule on the slower day kept drafting where every draft lost time.
+
+So `generate` measures them, once per architecture and machine, and keeps them in a JSON file in the jaxspec cache
+folder (`$JAXSPEC_CACHE`, else ~/.cache/jaxspec): `step_costs.json`, one entry per (machine, backend, model shape,
+width), in milliseconds. Costs depend on shapes, not weights, so a model of the same architecture reuses them. A
+measurement compiles one forward loop per verify width (what `scripts/bench_verify_width.py` times) and runs it a
+few times: on the build machine about 10 s per model the first time, nothing after.
+
+`JAXSPEC_STEP_COSTS` chooses: `measure` (the default), `default` (the fixed figures of
+`strategies.base.default_verify_costs` and the weight-bytes ratio for an assistant: deterministic, what the test
+suite uses), or `remeasure` (measure again on every call and overwrite the stored entries: after the machine changed).
+Sharded and multi-process runs keep the fixed figures: a forward timed on one device says little about a mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .head import verify_head
+from .loading import Model
+from .strategies.draft_model import DraftModelDrafter
+from .strategies.universal import UniversalDrafter
+
+MODES = ("measure", "default", "remeasure")
+CACHE_FILE = "step_costs.json"
+CACHE_SIZE = 512  # positions of the cache the timed forwards write (decoding sizes its cache to the call)
+START_POSITION = 200  # where the timed forwards start: attention reads a realistic prefix
+STEPS = 4  # forwards per timed loop
+RUNS = 3  # timed runs per loop; the fastest counts (the others met a busier machine)
+
+
+def mode() -> str:
+    """`JAXSPEC_STEP_COSTS`, checked: a misspelt value is an error, not a silent fallback."""
+    value = os.environ.get("JAXSPEC_STEP_COSTS", "measure").strip().lower() or "measure"
+    if value not in MODES:
+        raise ValueError(f"JAXSPEC_STEP_COSTS={value!r} is not one of {', '.join(MODES)}.")
+    return value
+
+
+def measurable(*models: Model) -> bool:
+    """Whether timing these models here says what decoding will cost: one process, each model on one device."""
+    if jax.process_count() > 1:
+        return False
+    leaves = [leaf for model in models for leaf in jax.tree_util.tree_leaves(nnx.state(model.module, nnx.Param))]
+    return all(len(leaf.devices()) == 1 for leaf in leaves)
+
+
+def forward_milliseconds(model: Model, widths: tuple[int, ...], *, verifying: bool = True,
+                         remeasure: bool = False) -> dict[int, float]:
+    """Milliseconds of one `model` forward at batch 1 for each width, from the cache file or measured now.
+
+    `verifying`: time the forward as verification runs it (with the CPU verify head of jaxspec/head.py where the
+    loop uses one), else as a drafting assistant runs it (its own head)."""
+    keys = {w: _key(model, w, verifying) for w in widths}
+    stored = {} if remeasure else _read_cache()
+    missing = [w for w in widths if keys[w] not in stored]
+    if missing:
+        measured = _measure(model, tuple(missing), verifying)
+        _write_cache({keys[w]: round(ms, 4) for w, ms in measured.items()})
+        stored = stored | {keys[w]: ms for w, ms in measured.items()}
+    return {w: float(stored[keys[w]]) for w in widths}
+
+
+def price_schedule(drafter, target: Model, assistant: Model | None):
+    """`drafter` with its adaptive schedule priced by measured step costs: each verify width's forward over a plain
+    step's, and, for an assistant that drafts one token per forward, its forward over the target's. Drafters whose
+    drafts are part of the target's own network (early exit, MTP) keep their draft cost, a share of the target's
+    weights; copied drafts (prompt lookup) cost nothing. Unchanged where the schedule is not adaptive, where
+    `JAXSPEC_STEP_COSTS=default`, and for sharded or multi-process runs."""
+    schedule = getattr(drafter, "schedule", None)
+    if schedule is None or schedule.kind != "adaptive" or not schedule.widths:
+        return drafter
+    chosen = mode()
+    models = (target,) if assistant is None else (target, assistant)
+    if chosen == "default" or not measurable(*models):
+        return drafter
+    remeasure = chosen == "remeasure"
+    measured = tuple(sorted({1, min(2, max(schedule.widths)), max(schedule.widths)}))
+    target_ms = forward_milliseconds(target, measured, remeasure=remeasure)
+    verify_costs = tuple(round(interpolate(target_ms, w) / target_ms[1], 2) for w in schedule.widths)
+    draft_cost = schedule.draft_cost
+    if isinstance(drafter, (DraftModelDrafter, UniversalDrafter)) and assistant is not target:
+        assistant_ms = forward_milliseconds(assistant, (1,), verifying=False, remeasure=remeasure)[1]
+        draft_cost = round(assistant_ms / target_ms[1], 3)
+    priced = dataclasses.replace(schedule, verify_costs=verify_costs, draft_cost=draft_cost)
+    return dataclasses.replace(drafter, schedule=priced)
+
+
+def interpolate(milliseconds: dict[int, float], width: int) -> float:
+    """A width's cost from the measured ones: linear between the nearest measured widths around it. Only 1, 2 and
+    the widest block are measured (each width is a compile of the whole forward, which dominates a measurement);
+    between 2 and K + 1 the cost of a CPU verify block grows close to linearly (Qwen2.5-Coder-0.5B: 1.64 / 1.93 /
+    2.25 plain steps measured for 2 / 4 / 5 tokens, 2.17 / 2.57 for 8 / 11)."""
+    if width in milliseconds:
+        return milliseconds[width]
+    below = max(w for w in milliseconds if w < width)
+    above = min(w for w in milliseconds if w > width)
+    share = (width - below) / (above - below)
+    return (1 - share) * milliseconds[below] + share * milliseconds[above]
+
+
+def _key(model: Model, width: int, verifying: bool) -> str:
+    """Machine, backend, architecture (config and parameter shapes, not values), head layout and width."""
+    state = nnx.state(model.module, nnx.Param)
+    shapes = sorted((jax.tree_util.keystr(path), tuple(leaf.shape), str(leaf.dtype))
+                    for path, leaf in jax.tree_util.tree_leaves_with_path(state))
+    architecture = hashlib.sha256(repr((model.config, shapes)).encode()).hexdigest()[:16]
+    device = jax.devices()[0]
+    machine = f"{platform.node()}/{platform.machine()}/{os.cpu_count()}"
+    head = "verify" if verifying else "draft"
+    return f"{machine}|{device.platform}:{device.device_kind}|{jax.__version__}|{architecture}|{head}|{width}"
+
+
+def _measure(model: Model, widths: tuple[int, ...], verifying: bool) -> dict[int, float]:
+    head = verify_head(model, nnx.split(model.module)[1], None) if verifying else None
+    return time_forwards(model, widths, head)
+
+
+def time_forwards(model: Model, widths: tuple[int, ...], head=None, steps: int = STEPS, runs: int = RUNS,
+                  cache_size: int = CACHE_SIZE) -> dict[int, float]:
+    """Milliseconds per forward of `model` at batch 1 for each width, with `head` ([D, V], or None: the model's own):
+    the best of `runs` timed runs of one compiled loop of `steps` forwards that writes a `cache_size` cache in place
+    from position START_POSITION on, as decoding does (the cache is donated). Timing single calls instead would add
+    a copy of the whole cache and a dispatch to every width, which hides most of the difference between widths."""
+    graphdef, state = nnx.split(model.module)
+
+    def loop(state, head, cache, width: int):
+        module = nnx.merge(graphdef, state)
+
+        def step(i, carry):
+            cache, checksum = carry
+            tokens = jnp.ones((1, width), jnp.int32)
+            positions = START_POSITION + i * width + jnp.arange(width)[None]  # [1, W]
+            logits, _, cache = module(tokens, positions, cache, head=head)
+            return cache, checksum + logits[0, 0, 0]  # a result that depends on every step
+
+        return jax.lax.fori_loop(0, steps, step, (cache, jnp.zeros((), jnp.float32)))
+
+    run = jax.jit(loop, static_argnums=3, donate_argnums=2)
+    milliseconds = {}
+    for width in widths:
+        cache, checksum = run(state, head, model.module.init_cache(1, cache_size), width)  # compiles
+        jax.block_until_ready(checksum)
+        best = float("inf")
+        for _ in range(runs):
+            start = time.perf_counter()
+            cache, checksum = run(state, head, cache, width)
+            jax.block_until_ready(checksum)
+            best = min(best, (time.perf_counter() - start) / steps)
+        milliseconds[width] = best * 1e3
+    return milliseconds
+
+
+def cache_path() -> str:
+    from .catalog import cache_root
+
+    return os.path.join(cache_root(), CACHE_FILE)
+
+
+def _read_cache() -> dict[str, float]:
+    """The stored entries; an unreadable file counts as empty (it is rewritten whole on the next measurement)."""
+    try:
+        with open(cache_path(), encoding="utf-8") as handle:
+            entries = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write_cache(entries: dict[str, float]) -> None:
+    """Merge `entries` into the cache file, replacing it atomically. The file only saves time, so a folder that
+    cannot be written is not an error: the next process measures again."""
+    path = cache_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        merged = _read_cache() | entries
+        handle = tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), prefix=f".{CACHE_FILE}.",
+                                             suffix=".tmp", delete=False, encoding="utf-8")
+        with handle:
+            json.dump(merged, handle, indent=0, sort_keys=True)
+        os.replace(handle.name, path)
+    except OSError:
+        pass
