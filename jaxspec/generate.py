@@ -59,7 +59,7 @@ class GenerateOutput:
     drafted: np.ndarray  # [B]
     accepted: np.ndarray  # [B]
     accepted_hist: np.ndarray  # [B, K+1]: rounds in which a row accepted exactly i drafts
-    compile_seconds: float
+    compile_seconds: float  # the loop's compiles, and the adaptive schedule's step costs when measured (costs.py)
     decode_seconds: float  # prefill + rounds, compile excluded
     prefill_seconds: float = float("nan")
     strategy: str = "greedy"

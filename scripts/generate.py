@@ -14,7 +14,9 @@ process runs the same command, loads its own slices of the checkpoint and gets t
 
 --model takes an HF checkpoint folder, a .gguf file, or a catalogue name (offline default: smollm2-135m).
 Compiled loops are kept in JAX's persistent compilation cache ($JAXSPEC_COMPILATION_CACHE, default
-~/.cache/jaxspec/xla; "off" disables it), so a second run does not pay compile time again.
+~/.cache/jaxspec/xla; "off" disables it), so a second run does not pay compile time again. The first assisted run
+of a model on a machine also times its forwards once for the adaptive schedule (jaxspec/costs.py; counted in the
+compile time it prints, and stored in ~/.cache/jaxspec/step_costs.json).
 """
 
 from __future__ import annotations

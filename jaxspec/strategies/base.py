@@ -146,15 +146,16 @@ def verify_widths(max_draft: int) -> tuple[int, ...]:
 
 def default_verify_costs(widths: tuple[int, ...]) -> tuple[float, ...]:
     """The cost of a verify block of each width, in plain decoding steps (width 1 = 1), as the adaptive schedule
-    assumes it.
+    assumes it where costs are not measured (`JAXSPEC_STEP_COSTS=default`, sharded runs; jaxspec/costs.py measures
+    them otherwise, because they move with the machine: a two-token Qwen2.5-Coder-0.5B block cost 1.16 plain steps
+    one day and 1.81 another on the same 2-core build machine).
 
     On a CPU the second token costs most: a plain step's matrix-vector products stream the weights at memory speed,
-    while a matrix multiply of 2 rows runs a compute kernel that is slower per core (the LM head's costs about twice
-    its 1-row product). `python scripts/bench_verify_width.py` (2 idle cores, float32, forwards in a compiled loop)
-    gave 1.14 / 1.23 / 1.33 / 1.45 for 2 / 3 / 4 / 8 tokens on SmolLM2-135M (with the CPU verify head of
-    jaxspec/head.py) and 1.16 / 1.23 / 1.28 / 1.48 on Qwen2.5-Coder-0.5B; an earlier run, before that head, gave
-    1.23 / 1.29 / 1.36 / 1.55 on SmolLM2, which the default follows: it errs on the dear side, so a row drafts only
-    where that pays on either. On accelerators a few extra tokens are nearly free while decoding is memory-bound."""
+    while a matrix multiply of 2 rows runs a compute kernel. `python scripts/bench_verify_width.py` (2 idle cores,
+    float32, forwards in a compiled loop) gave 1.14 / 1.23 / 1.33 / 1.45 for 2 / 3 / 4 / 8 tokens on SmolLM2-135M
+    (with the CPU verify head of jaxspec/head.py) and 1.16 / 1.23 / 1.28 / 1.48 on Qwen2.5-Coder-0.5B on the faster
+    day; the default, from an earlier run on SmolLM2 (1.23 / 1.29 / 1.36 / 1.55), errs on the dear side of those. On
+    accelerators a few extra tokens are nearly free while decoding is memory-bound."""
     if jax.default_backend() == "cpu":
         return tuple(1.0 if w == 1 else 1.2 + 0.05 * (w - 2) for w in widths)
     return tuple(1.0 + 0.02 * (w - 1) for w in widths)
