@@ -75,9 +75,11 @@ def forward_milliseconds(model: Model, widths: tuple[int, ...], *, verifying: bo
     stored = {} if remeasure else _read_cache()
     missing = [w for w in widths if keys[w] not in stored]
     if missing:
-        measured = _measure(model, tuple(missing), verifying)
-        _write_cache({keys[w]: round(ms, 4) for w, ms in measured.items()})
-        stored = stored | {keys[w]: ms for w, ms in measured.items()}
+        # Rounded as stored, so this call prices the schedule exactly as later ones that read the file (the same
+        # costs, the same compiled loop).
+        measured = {keys[w]: round(ms, 4) for w, ms in _measure(model, tuple(missing), verifying).items()}
+        _write_cache(measured)
+        stored = stored | measured
     return {w: float(stored[keys[w]]) for w in widths}
 
 
