@@ -13,8 +13,9 @@ schedule on the slower day kept drafting where every draft lost time.
 So `generate` measures them, once per architecture and machine, and keeps them in a JSON file in the jaxspec cache
 folder (`$JAXSPEC_CACHE`, else ~/.cache/jaxspec): `step_costs.json`, one entry per (machine, backend, model shape,
 width), in milliseconds. Costs depend on shapes, not weights, so a model of the same architecture reuses them. A
-measurement compiles one forward loop per verify width (what `scripts/bench_verify_width.py` times) and runs it a
-few times: on the build machine about 10 s per model the first time, nothing after.
+measurement compiles one forward loop per measured width (what `scripts/bench_verify_width.py` times) and runs it a
+few times: on the build machine's slow day, 60 s for Qwen2.5-Coder-0.5B with a SmolLM2-135M assistant (three target
+widths and one assistant forward), most of it compiling; nothing on later calls.
 
 `JAXSPEC_STEP_COSTS` chooses: `measure` (the default), `default` (the fixed figures of
 `strategies.base.default_verify_costs` and the weight-bytes ratio for an assistant: deterministic, what the test
@@ -71,7 +72,8 @@ def forward_milliseconds(model: Model, widths: tuple[int, ...], *, verifying: bo
 
     `verifying`: time the forward as verification runs it (with the CPU verify head of jaxspec/head.py where the
     loop uses one), else as a drafting assistant runs it (its own head)."""
-    keys = {w: _key(model, w, verifying) for w in widths}
+    prefix = _key_prefix(model, verifying)
+    keys = {w: f"{prefix}|{w}" for w in widths}
     stored = {} if remeasure else _read_cache()
     missing = [w for w in widths if keys[w] not in stored]
     if missing:
@@ -97,7 +99,7 @@ def price_schedule(drafter, target: Model, assistant: Model | None):
     if chosen == "default" or not measurable(*models):
         return drafter
     remeasure = chosen == "remeasure"
-    measured = tuple(sorted({1, min(2, max(schedule.widths)), max(schedule.widths)}))
+    measured = tuple(sorted({1, 2, max(schedule.widths)}))  # widths always hold 1 and K + 1 >= 2
     target_ms = forward_milliseconds(target, measured, remeasure=remeasure)
     verify_costs = tuple(round(interpolate(target_ms, w) / target_ms[1], 2) for w in schedule.widths)
     draft_cost = schedule.draft_cost
@@ -111,8 +113,8 @@ def price_schedule(drafter, target: Model, assistant: Model | None):
 def interpolate(milliseconds: dict[int, float], width: int) -> float:
     """A width's cost from the measured ones: linear between the nearest measured widths around it. Only 1, 2 and
     the widest block are measured (each width is a compile of the whole forward, which dominates a measurement);
-    between 2 and K + 1 the cost of a CPU verify block grows close to linearly (Qwen2.5-Coder-0.5B: 1.64 / 1.93 /
-    2.25 plain steps measured for 2 / 4 / 5 tokens, 2.17 / 2.57 for 8 / 11)."""
+    between 2 and K + 1 the cost of a CPU verify block grows close to linearly (`python scripts/bench_verify_width.py
+    --model qwen2.5-coder-0.5b --widths 2,4,5,8,11` prints each width's)."""
     if width in milliseconds:
         return milliseconds[width]
     below = max(w for w in milliseconds if w < width)
@@ -121,8 +123,8 @@ def interpolate(milliseconds: dict[int, float], width: int) -> float:
     return (1 - share) * milliseconds[below] + share * milliseconds[above]
 
 
-def _key(model: Model, width: int, verifying: bool) -> str:
-    """Machine, backend, architecture (config and parameter shapes, not values), head layout and width."""
+def _key_prefix(model: Model, verifying: bool) -> str:
+    """Machine, backend, architecture (config and parameter shapes, not values) and head layout; a width follows."""
     state = nnx.state(model.module, nnx.Param)
     shapes = sorted((jax.tree_util.keystr(path), tuple(leaf.shape), str(leaf.dtype))
                     for path, leaf in jax.tree_util.tree_leaves_with_path(state))
@@ -130,7 +132,7 @@ def _key(model: Model, width: int, verifying: bool) -> str:
     device = jax.devices()[0]
     machine = f"{platform.node()}/{platform.machine()}/{os.cpu_count()}"
     head = "verify" if verifying else "draft"
-    return f"{machine}|{device.platform}:{device.device_kind}|{jax.__version__}|{architecture}|{head}|{width}"
+    return f"{machine}|{device.platform}:{device.device_kind}|{jax.__version__}|{architecture}|{head}"
 
 
 def _measure(model: Model, widths: tuple[int, ...], verifying: bool) -> dict[int, float]:
