@@ -171,17 +171,24 @@ def mla_attention(cfg: DeepseekV3Config, p, h, positions, cache: MLACache, index
         latent=cache.latent.at[index, rows, positions].set(latent.astype(cache.latent.dtype), mode="drop"),
         k_rope=cache.k_rope.at[index, rows, positions].set(k_rope.astype(cache.k_rope.dtype), mode="drop"),
     )
-    c_latent, c_rope = cache.latent[index], cache.k_rope[index]  # [B, S, R], [B, S, Dr]
     w_uk, w_uv = p["wkv_b"][..., :dn], p["wkv_b"][..., dn:]  # [R, H, Dn], [R, H, Dv]
     q_absorbed = jnp.einsum("bthk,rhk->bthr", q[..., :dn], w_uk)  # [B, T, H, R]
+    out_latent = L.attend_live(latent_attention, (q_absorbed, q_rope), cache.latent, cache.k_rope, positions,
+                               cfg.softmax_scale, first, layer=index)  # [B, T, H, R]
+    out = jnp.einsum("bthr,rhv->bthv", out_latent, w_uv)  # [B, T, H, Dv]
+    return jnp.einsum("bthv,hvd->btd", out, p["wo"]), cache
+
+
+def latent_attention(q, c_latent, c_rope, positions, scale: float, first):
+    """Attention of absorbed queries over the latent cache. q: (q_absorbed [B, T, H, R], q_rope [B, T, H, Dr]);
+    c_latent: [B, S, R]; c_rope: [B, S, Dr]; keys in [first, query position] (`causal_window`). -> [B, T, H, R]"""
+    q_absorbed, q_rope = q
     scores = jnp.einsum("bthr,bsr->bhts", q_absorbed, c_latent, preferred_element_type=jnp.float32)
     scores += jnp.einsum("bthk,bsk->bhts", q_rope, c_rope, preferred_element_type=jnp.float32)
     visible = L.causal_window(positions, c_latent.shape[1], first)  # [B, T, S]
-    scores = jnp.where(visible[:, None], scores * cfg.softmax_scale, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(visible[:, None], scores * scale, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(c_latent.dtype)  # [B, H, T, S]
-    out_latent = jnp.einsum("bhts,bsr->bthr", weights, c_latent)  # [B, T, H, R]
-    out = jnp.einsum("bthr,rhv->bthv", out_latent, w_uv)  # [B, T, H, Dv]
-    return jnp.einsum("bthv,hvd->btd", out, p["wo"]), cache
+    return jnp.einsum("bhts,bsr->bthr", weights, c_latent)
 
 
 class DeepseekV3ForCausalLM(MoeCausalLM):

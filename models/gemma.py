@@ -613,8 +613,8 @@ def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, i
             v=stack.v.at[slot, rows, positions].set(v.astype(stack.v.dtype), mode="drop"),
         )
         stacks = stacks | {layer_type: stack}
-    attn = L.windowed_attention(q, stack.k[slot], stack.v[slot], positions, cfg.query_scale, kind.window,
-                                cfg.attn_softcap)
+    attn = L.attend_live(L.windowed_attention, q, stack.k, stack.v, positions, cfg.query_scale, kind.window,
+                         cfg.attn_softcap, layer=slot)
     out = jnp.einsum("bthk,hkd->btd", attn, p["wo"])
     x = x + L.gemma_rms_norm(out, p["post_attn_norm"], eps, offset)
 

@@ -191,7 +191,8 @@ def _layer(cfg: GemmaConfig, p, x, positions, k, v, window, inv_freq) -> jax.Arr
     h = L.gemma_rms_norm(x, p["attn_norm"], eps, offset)
     q = L.gemma_rms_norm(jnp.einsum("btd,dhk->bthk", h, p["wq"]), p["q_norm"], eps, offset)  # [B, T, H, Dh]
     q = L.apply_rope(q, positions, inv_freq)
-    attn = L.windowed_attention(q, k.astype(q.dtype), v.astype(q.dtype), positions - 1, cfg.query_scale, window)
+    attn = L.attend_live(L.windowed_attention, q, k.astype(q.dtype), v.astype(q.dtype), positions - 1, cfg.query_scale,
+                         window)
     x = x + L.gemma_rms_norm(jnp.einsum("bthk,hkd->btd", attn, p["wo"]), p["post_attn_norm"], eps, offset)
     h = L.gelu_gated_mlp(L.gemma_rms_norm(x, p["mlp_norm"], eps, offset), p["w_gate"], p["w_up"], p["w_down"])
     x = x + L.gemma_rms_norm(h, p["post_mlp_norm"], eps, offset)

@@ -128,7 +128,8 @@ def gqa_attention(cfg: Glm4MoeConfig, p, h, positions, cache: KVCache, index, fi
         k=cache.k.at[index, rows, positions].set(k.astype(cache.k.dtype), mode="drop"),
         v=cache.v.at[index, rows, positions].set(v.astype(cache.v.dtype), mode="drop"),
     )
-    attn = L.cached_attention_window(q, cache.k[index], cache.v[index], positions, cfg.head_dim**-0.5, first)
+    attn = L.attend_live(L.cached_attention_window, q, cache.k, cache.v, positions, cfg.head_dim**-0.5, first,
+                         layer=index)
     return jnp.einsum("bthk,hkd->btd", attn, p["wo"]), cache
 
 

@@ -373,11 +373,13 @@ def _decoder_layer(cfg: LlamaConfig, p, x, positions, k_cache, v_cache, index, i
     k_cache = k_cache.at[index, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[index, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
     if first:
-        attn = L.cached_attention_window(q, k_cache[index], v_cache[index], positions, cfg.head_dim**-0.5, first)
+        attn = L.attend_live(L.cached_attention_window, q, k_cache, v_cache, positions, cfg.head_dim**-0.5, first,
+                             layer=index)
     elif window is not None:
-        attn = L.windowed_attention(q, k_cache[index], v_cache[index], positions, cfg.head_dim**-0.5, window)
+        attn = L.attend_live(L.windowed_attention, q, k_cache, v_cache, positions, cfg.head_dim**-0.5, window,
+                             layer=index)
     else:
-        attn = L.cached_attention(q, k_cache[index], v_cache[index], positions, cfg.head_dim**-0.5)
+        attn = L.attend_live(L.cached_attention, q, k_cache, v_cache, positions, cfg.head_dim**-0.5, layer=index)
     out = jnp.einsum("bthk,hkd->btd", attn, p["wo"])
     if cfg.o_bias:
         out = out + p["bo"]

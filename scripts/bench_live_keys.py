@@ -1,0 +1,105 @@
+"""What attention over the live prefix of the cache saves (`jaxspec.models.layers.attend_live`) against attention
+over the whole cache, side by side in one run.
+
+    python scripts/bench_live_keys.py [--models smollm2-135m,qwen2.5-coder-0.5b] [--caches 2048,4096]
+        [--budget 2000] [--repeats 3] [--prefix-from 2048 --min-extent 512]
+
+A cache is sized for the prompt plus the whole budget (`max_new_tokens`), and a chat answer that stops at its
+end-of-sequence token leaves most of it unwritten. Two tables:
+
+- Forwards: milliseconds per one-token forward from position 200 (jaxspec/costs.py's timing loop) in caches of
+  `--caches` entries, attention over the whole cache against over the live prefix.
+- Decoding: the chat prompt of scripts/bench.py, plain greedy with a `--budget`-token budget until the model's
+  end-of-sequence token, tokens per second (decode time after the prefill, median of `--repeats` calls, the two
+  variants interleaved); both variants must write the same tokens. Also printed: each variant's first compile
+  (a switch over prefixes compiles each prefix's attention).
+
+`--prefix-from` and `--min-extent` try other thresholds for the live variant: `--caches 256,1024 --prefix-from 256
+--min-extent 128` shows what a branch per layer costs where the cache is small. "Whole cache" sets
+`jaxspec.models.layers.PREFIX_FROM` past every cache size, which is what attention did before
+`attend_live` (and still does in caches shorter than PREFIX_FROM); compiled loops are dropped between variants so
+each runs its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+WHOLE = 1 << 30  # PREFIX_FROM past any cache: attention reads the whole cache
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
+    p.add_argument("--caches", default="2048,4096")
+    p.add_argument("--budget", type=int, default=2000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefix-from", type=int, default=None, help="PREFIX_FROM of the live variant (default: jaxspec's)")
+    p.add_argument("--min-extent", type=int, default=None, help="MIN_KEY_EXTENT of the live variant")
+    args = p.parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    import jaxspec
+    from jaxspec import costs
+    from jaxspec.models import layers
+
+    loop = sys.modules["jaxspec.generate"]  # the module (the package exports the function under that name)
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from _bench_prompts import PROMPTS
+
+    live = args.prefix_from or layers.PREFIX_FROM
+    layers.MIN_KEY_EXTENT = args.min_extent or layers.MIN_KEY_EXTENT
+    variants = {"whole cache": WHOLE, "live prefix": live}
+
+    def use(prefix_from: int) -> None:
+        layers.PREFIX_FROM = prefix_from
+        loop._compiled.clear()  # jaxspec's executables, then jax's traces: the next call compiles this variant
+        jax.clear_caches()
+
+    caches = [int(c) for c in args.caches.split(",")]
+    for name in args.models.split(","):
+        model = jaxspec.load(name)
+        forward = {}
+        for cache in caches:
+            for variant, prefix_from in variants.items():
+                use(prefix_from)
+                forward[cache, variant] = costs.time_forwards(model, (1,), cache_size=cache, runs=4, steps=8)[1]
+
+        tok = model.tokenizer
+        text = tok.apply_chat_template([{"role": "user", "content": PROMPTS["chat"]}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = np.asarray(tok(text, add_special_tokens=False)["input_ids"], np.int32)[None]
+        rates, compiles, tokens = {v: [] for v in variants}, {}, {}
+        for _ in range(args.repeats):
+            for variant, prefix_from in variants.items():
+                use(prefix_from)
+                out = jaxspec.generate(model, ids, max_new_tokens=args.budget)
+                rates[variant].append(int(out.num_new_tokens[0]) / (out.decode_seconds - out.prefill_seconds))
+                tokens.setdefault(variant, out.sequences)
+                compiles.setdefault(variant, out.compile_seconds)
+        if not np.array_equal(*tokens.values()):
+            raise SystemExit(f"{name}: the two variants wrote different tokens")
+        new = int(out.num_new_tokens[0])
+        use(live)
+
+        print(f"\n# {name}: attention over the live prefix against the whole cache ({jax.default_backend()}, "
+              f"{model.dtype}, batch 1)\n")
+        print("| cache entries | whole cache: ms / forward | live prefix: ms / forward | speedup |")
+        print("|---:|---:|---:|---:|")
+        for cache in caches:
+            whole, prefix = forward[cache, "whole cache"], forward[cache, "live prefix"]
+            print(f"| {cache} | {whole:.2f} | {prefix:.2f} | {whole / prefix:.2f} |")
+        whole, prefix = (statistics.median(rates[v]) for v in variants)
+        print(f"\nChat answer, greedy, budget {args.budget} ({ids.shape[1]}-token prompt, {new} tokens written, "
+              f"cache of {loop.buffer_size(ids.shape[1] + args.budget + 1, loop.default_prefill_chunk())} entries): "
+              f"{whole:.2f} tok/s over the whole cache, {prefix:.2f} over the live prefix: {prefix / whole:.2f}x; "
+              f"compiling took {compiles['whole cache']:.1f} s and {compiles['live prefix']:.1f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
