@@ -12,10 +12,10 @@ schedule on the slower day kept drafting where every draft lost time.
 
 So `generate` measures them, once per architecture and machine, and keeps them in a JSON file in the jaxspec cache
 folder (`$JAXSPEC_CACHE`, else ~/.cache/jaxspec): `step_costs.json`, one entry per (machine, backend, model shape,
-width), in milliseconds. Costs depend on shapes, not weights, so a model of the same architecture reuses them. A
-measurement compiles one forward loop per measured width (what `scripts/bench_verify_width.py` times) and runs it a
-few times: on the build machine's slow day, 60 s for Qwen2.5-Coder-0.5B with a SmolLM2-135M assistant (three target
-widths and one assistant forward), most of it compiling; nothing on later calls.
+model code, width), in milliseconds. Costs depend on shapes, not weights, so a model of the same architecture reuses
+them. A measurement compiles one forward loop per measured width (what `scripts/bench_verify_width.py` times) and
+runs it a few times: on the build machine's slow day, 60 s for Qwen2.5-Coder-0.5B with a SmolLM2-135M assistant
+(three target widths and one assistant forward), most of it compiling; nothing on later calls.
 
 `JAXSPEC_STEP_COSTS` chooses: `measure` (the default), `default` (the fixed figures of
 `strategies.base.default_verify_costs` and the weight-bytes ratio for an assistant: deterministic, what the test
@@ -26,7 +26,9 @@ Sharded and multi-process runs keep the fixed figures: a forward timed on one de
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
 import os
 import platform
@@ -124,15 +126,29 @@ def interpolate(milliseconds: dict[int, float], width: int) -> float:
 
 
 def _key_prefix(model: Model, verifying: bool) -> str:
-    """Machine, backend, architecture (config and parameter shapes, not values) and head layout; a width follows."""
+    """Machine, backend, architecture (config and parameter shapes, not values), the model code and head layout; a
+    width follows."""
     state = nnx.state(model.module, nnx.Param)
     shapes = sorted((jax.tree_util.keystr(path), tuple(leaf.shape), str(leaf.dtype))
                     for path, leaf in jax.tree_util.tree_leaves_with_path(state))
     architecture = hashlib.sha256(repr((model.config, shapes)).encode()).hexdigest()[:16]
+    code = _source_hash(os.path.dirname(inspect.getfile(type(model.module))))
     device = jax.devices()[0]
     machine = f"{platform.node()}/{platform.machine()}/{os.cpu_count()}"
     head = "verify" if verifying else "draft"
-    return f"{machine}|{device.platform}:{device.device_kind}|{jax.__version__}|{architecture}|{head}"
+    return f"{machine}|{device.platform}:{device.device_kind}|{jax.__version__}|{architecture}|{code}|{head}"
+
+
+@functools.cache
+def _source_hash(folder: str) -> str:
+    """A hash of the model package's source: a change to a forward (how attention reads the cache, say) changes
+    what a step costs, so figures measured on older code are not reused."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as handle:
+                digest.update(name.encode() + handle.read())
+    return digest.hexdigest()[:12]
 
 
 def _measure(model: Model, widths: tuple[int, ...], verifying: bool) -> dict[int, float]:
