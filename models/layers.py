@@ -115,8 +115,8 @@ def attend_live(attend, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, po
     """`attend(q, k, v, positions, *args)` over the cache prefix [0, E) for the smallest E in `key_extents` that
     holds every query's position; `attend` masks by the cache size it is given.
 
-    k_cache, v_cache: [B, S, K, Dh], or [L, B, S, K, Dh] read at `layer`. The caches enter the branches whole and
-    each branch slices its own prefix, so no branch copies more than its prefix.
+    k_cache, v_cache: [B, S, ...], or [L, B, S, ...] read at `layer`. The caches enter the branches whole and each
+    branch slices its own prefix, so no branch copies more than its prefix.
     """
     size = k_cache.shape[1 if layer is None else 2]
     extents = key_extents(size)
