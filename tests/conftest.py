@@ -27,6 +27,16 @@ def tiny_llama_draft_dir(tmp_path_factory):
     return hf_models.save_tiny("llama", tmp_path_factory.mktemp("llama_draft"), seed=1, num_hidden_layers=2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """One persistent compilation cache for the whole run: modules drop their compiled loops (below), and a later
+    module that builds the same loop again (the tiny target's plain loop, at the same shapes) loads it from disk
+    instead of compiling it again."""
+    import jaxspec
+
+    jaxspec.enable_compilation_cache(str(tmp_path_factory.mktemp("xla")))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def release_compiled_programs():
     """Each test module compiles its own loops; dropping them afterwards keeps one long test process lean."""

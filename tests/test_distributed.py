@@ -77,6 +77,7 @@ def fp8_checkpoint(tmp_path_factory):
     return write_fp8_pair(str(tmp_path_factory.mktemp("dist")))[0]
 
 
+@pytest.mark.slow  # ~50 s: three processes start JAX and compile the loop each
 def test_two_processes_generate_what_one_process_generates(fp8_checkpoint, tmp_path):
     pair = launch(fp8_checkpoint, str(tmp_path / "pair"), 2, 2, "1,2,2", "--save-restore", str(tmp_path / "conv"))
     single = launch(fp8_checkpoint, str(tmp_path / "single"), 1, 4, "1,2,2", "--one-device")

@@ -104,7 +104,8 @@ def test_ragged_rows_process_their_own_history(models):
                                       alone.sequences[0, len(row):])
 
 
-@pytest.mark.parametrize("strategy", ["speculative", "prompt_lookup"])
+# Processed speculative sampling (q processed too) is slow; the default suite runs prompt lookup's one-hot path.
+@pytest.mark.parametrize("strategy", [pytest.param("speculative", marks=pytest.mark.slow), "prompt_lookup"])
 def test_sampling_with_processors_is_exact(models, hf_target, strategy):
     """6000 rows, budget K + 2: the first three tokens follow the exact law of the processed target (HF's own
     processors and warpers applied to every prefix), over the whole vocabulary."""

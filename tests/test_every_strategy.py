@@ -38,7 +38,10 @@ def strategy_call(name, folders, dtype):
     return target, kwargs
 
 
-@pytest.mark.parametrize("name", sorted(STRATEGIES))
+# bfloat16 flips near-tied argmaxes most easily in the strategies that draft from their own forward (MTP, an
+# assistant); the default suite checks those two.
+@pytest.mark.parametrize("name", [name if name in ("mtp", "speculative") else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in sorted(STRATEGIES)])
 def test_bfloat16_greedy_equals_plain_greedy(folders, name):
     target, kwargs = strategy_call(name, folders, jnp.bfloat16)
     plain = jaxspec.generate(target, PROMPTS, max_new_tokens=N)

@@ -66,7 +66,8 @@ def test_prompt_lookup_random_sequences_match_transformers():
 
 @pytest.mark.parametrize("kwargs", [
     dict(prompt_lookup_num_tokens=3),
-    dict(prompt_lookup_num_tokens=6, max_matching_ngram_size=3, num_assistant_tokens_schedule="constant"),
+    pytest.param(dict(prompt_lookup_num_tokens=6, max_matching_ngram_size=3, num_assistant_tokens_schedule="constant"),
+                 marks=pytest.mark.slow),
     dict(assistant_early_exit=2, num_assistant_tokens=4, assistant_confidence_threshold=0.0),
     pytest.param(dict(assistant_early_exit=1), marks=pytest.mark.slow),  # the suite has E=2 and E=3
     dict(assistant_early_exit=3, num_assistant_tokens=3, num_assistant_tokens_schedule="heuristic",
@@ -136,7 +137,8 @@ def test_early_exit_over_a_zeroed_last_layer_accepts_everything(tiny_llama_dir):
     np.testing.assert_array_equal(out.sequences, plain.sequences)
 
 
-@pytest.mark.parametrize("strategy", ["prompt_lookup", "early_exit"])
+# Prompt lookup's one-hot verification is sampled in the default suite by tests/test_ecosystem.py (with processors).
+@pytest.mark.parametrize("strategy", [pytest.param("prompt_lookup", marks=pytest.mark.slow), "early_exit"])
 def test_sampling_is_exact(tiny_llama_dir, target, strategy):
     """End to end, 6000 rows, budget K + 2: the first three sampled tokens follow the target's exact law over the
     whole vocabulary. The prompt holds almost every token of the vocabulary, so almost every row finds a match."""

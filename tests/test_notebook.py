@@ -57,6 +57,7 @@ def test_character_tokenizer_round_trips_the_notebook_prompts():
     assert tokenizer.decode(chat) == "<s>user\nhi</s>\n<s>assistant\n"
 
 
+@pytest.mark.slow  # ~55 s: a kernel compiles about eight loops
 def test_quickstart_notebook_runs_top_to_bottom(tiny_chat_model, monkeypatch, tmp_path):
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     skipped = [cell for cell in notebook.cells if "install" in cell.metadata.get("tags", [])]

@@ -38,7 +38,8 @@ def plain(target):
 
 
 @pytest.mark.parametrize("k, schedule, threshold", [
-    (1, "constant", 0.0), (4, "constant", 0.4), (8, "heuristic", 0.0), (4, "heuristic_transient", 0.4),
+    (1, "constant", 0.0), (4, "constant", 0.4), pytest.param(8, "heuristic", 0.0, marks=pytest.mark.slow),
+    (4, "heuristic_transient", 0.4),
     (4, "adaptive", 0.0), (8, "adaptive", 0.4),
 ])
 def test_greedy_equals_plain_greedy(target, draft, plain, k, schedule, threshold):
@@ -49,7 +50,7 @@ def test_greedy_equals_plain_greedy(target, draft, plain, k, schedule, threshold
     assert out.drafted.sum() > 0
 
 
-@pytest.mark.parametrize("k", [2, 5])
+@pytest.mark.parametrize("k", [2, pytest.param(5, marks=pytest.mark.slow)])
 def test_rounds_equal_a_replay_with_transformers_models(tiny_llama_dir, tiny_llama_draft_dir, target, draft, k):
     """Each round's accepted count equals what HF's assistant drafts and HF's target accepts from the same
     committed sequence: the assistant really drafts, and its drafts are the right ones."""
@@ -90,7 +91,7 @@ def test_settings_come_from_the_assistant_generation_config(tiny_llama_draft_dir
     np.testing.assert_array_equal(out.sequences, plain)
 
 
-@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 4])
 def test_identical_assistant_accepts_every_draft(target, k):
     ids, mask = left_padded(PROMPTS)
     out = jaxspec.generate(target, ids, mask, max_new_tokens=N, assistant_model=target, num_assistant_tokens=k,
@@ -282,6 +283,7 @@ def test_sampling_is_exact(tiny_llama_dir, target, draft):
     assert min(oracles.goodness_of_fit(lossy.sequences[:, len(prompt) + i], exact[i]) for i in (1, 2)) < 1e-6
 
 
+@pytest.mark.slow  # ~35 s: 6000 rows
 def test_sampling_is_exact_when_the_adaptive_schedule_drops_doubted_drafts(tiny_llama_dir, target):
     """The adaptive schedule stops before a draft below the confidence threshold (HF's schedules propose it, then
     stop), so a proposed draft follows q restricted to the confident tokens, and is judged by that law. The target
