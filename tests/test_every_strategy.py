@@ -38,8 +38,8 @@ def strategy_call(name, folders, dtype):
     return target, kwargs
 
 
-# bfloat16 flips near-tied argmaxes most easily in the strategies that draft from their own forward (MTP, an
-# assistant); the default suite checks those two.
+# The default suite checks bfloat16 on the two strategies whose drafters run forwards of their own (MTP, an
+# assistant); prompt lookup and early exit run in the slow suite.
 @pytest.mark.parametrize("name", [name if name in ("mtp", "speculative") else pytest.param(name, marks=pytest.mark.slow)
                                   for name in sorted(STRATEGIES)])
 def test_bfloat16_greedy_equals_plain_greedy(folders, name):
