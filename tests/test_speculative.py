@@ -122,11 +122,12 @@ def test_always_wrong_assistant_accepts_nothing_and_backs_off(tiny_llama_dir, ta
     assert adaptive.draft_forwards < constant.draft_forwards / 5
 
 
-@pytest.mark.parametrize("behind, blocks", [((12, 2), [16]), ((5, 1), [8]), ((40, 3), [64]), ((70, 9), [64, 8])])
+@pytest.mark.parametrize("behind, blocks", [((1, 1), [1]), ((2, 1), [2]), ((12, 2), [16]), ((5, 1), [8]),
+                                            ((40, 3), [64]), ((70, 9), [64, 8])])
 def test_catch_up_reads_a_gap_in_the_narrowest_block_that_covers_it(target, behind, blocks):
     """A row that sat out rounds catches up in the narrowest block that covers its gap (12 tokens: one block of 16,
-    not a chunk-wide block of 64, nor several of 8); the logits and cache entries equal a forward over the whole
-    sequence."""
+    not a chunk-wide block of 64, nor several of 8), and after a round that ended in a rejection (one token behind)
+    in a one-token block; the logits and cache entries equal a forward over the whole sequence."""
     import jax
     import jax.numpy as jnp
 

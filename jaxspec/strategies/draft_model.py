@@ -8,8 +8,8 @@ drops to the last accepted position, and stale entries past it are rewritten bef
 
 Catching up from any distance is what lets a row stop drafting while the assistant keeps missing (the adaptive
 schedule) without paying an assistant forward per token, and it reads the prompt the same way on the first round:
-in a width-2 block after a normal round, in the narrowest of 8, 16 or 32 that covers a gap left by idle rounds, in
-chunks of the prefill width when further behind (`catch_up_widths`).
+in a one- or two-token block after a normal round, in the narrowest of 8, 16 or 32 that covers a gap left by idle
+rounds, in chunks of the prefill width when further behind (`catch_up_widths`).
 
 Draft length per row: the schedule's length (jaxspec/strategies/base.py), capped by the row's remaining budget,
 stopped early at a token whose draft probability is below `confidence_threshold` (that token is proposed, then
@@ -36,21 +36,26 @@ from .base import (Context, DecodeState, Draft, Drafter, DraftLength, RoundResul
 # (1-based; it sits at position L - 1 + slot) and return its logits, which predict the next draft.
 Feed = Callable[[Any, jax.Array, jax.Array, int], tuple[jax.Array, Any]]
 
-STEADY_CATCH_UP = 2  # after a normal round the assistant is at most this many committed tokens behind
+# After a round that ends in a rejection the assistant is one committed token behind (the target's correction);
+# after one whose drafts were all accepted, two (the last draft, never fed, and the bonus token).
+STEADY_CATCH_UP_WIDTHS = (1, 2)
 MIDDLE_CATCH_UP_WIDTHS = (8, 16, 32)  # blocks for gaps left by idle rounds (`catch_up_widths`)
 
 
-def catch_up_widths(chunk: int, steady: int = STEADY_CATCH_UP) -> tuple[int, ...]:
-    """The block widths a catch-up chooses from (ascending): `steady`, 8, 16, 32, then `chunk` for the far behind.
+def catch_up_widths(chunk: int) -> tuple[int, ...]:
+    """The block widths a catch-up chooses from (ascending): 1 and 2 after a normal round, 8, 16, 32, then `chunk`
+    for the far behind.
 
     A row that sat out rounds (the adaptive schedule's idle rows) is as far behind as it sat out, typically 5 to 40
     tokens, and the narrowest block that covers the gap is much cheaper than a chunk-wide one. On a CPU a block's
     cost grows with its width long before the chunk (`python scripts/bench_verify_width.py --widths
     1,2,8,16,32,64`, SmolLM2-135M: 1.13 / 1.35 / 1.67 / 2.87 / 4.54 one-token steps for 2 / 8 / 16 / 32 / 64), so
     catching up 12 tokens in a 64-wide block costs 2.7 times a 16-wide one. Idle rows are what make an assistant
-    cheap where it cannot help, so their catch-up is most of what such an assistant still costs.
+    cheap where it cannot help, so their catch-up is most of what such an assistant still costs. The same holds at
+    the narrow end: most rounds end in a rejection, which leaves one token to catch up on, where a two-wide block
+    would cost about 1.1 one-token steps.
     """
-    return (steady, *(w for w in MIDDLE_CATCH_UP_WIDTHS if steady < w < chunk), chunk)
+    return (*(w for w in (*STEADY_CATCH_UP_WIDTHS, *MIDDLE_CATCH_UP_WIDTHS) if w < chunk), chunk)
 
 
 @dataclasses.dataclass(frozen=True)
