@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from . import catalog, distributed, loading
+from .head import is_quantized
 from .loading import Model, _read_json
 from .registry import family_for
 from .tokenizer import load_tokenizer
@@ -147,6 +148,10 @@ def save(model: Model, out: str, *, source: str | None = None, force: bool = Fal
     marker) is replaced, so a mistyped OUT cannot delete an unrelated folder. `source` is recorded in the marker
     (default: `model.source`).
     """
+    if is_quantized(model):
+        raise NotImplementedError(
+            "checkpoint.save: a quantized model (jaxspec.quantize) cannot be saved yet: conversion folders hold "
+            "float params. Save the float model and quantize it after loading (a second for a 0.5B model).")
     out = os.path.abspath(os.fspath(out))
     check_replaceable(out, force)
     lead = jax.process_index() == 0

@@ -19,14 +19,20 @@ import jax
 from jax.sharding import Mesh
 
 from .loading import Model
+from .models.int8 import SCALE_SUFFIX
 
 _transpose = jax.jit(lambda matrix: matrix.T)
 
 
+def is_quantized(model: Model) -> bool:
+    """Whether `model` went through `jaxspec.quantize` (its embedding holds int8 rows and their scales)."""
+    return hasattr(model.module, "embed" + SCALE_SUFFIX)
+
+
 def wants_contiguous_head(model: Model) -> bool:
     """A tied head on XLA:CPU: the case where a [D, V] copy makes verify blocks cheaper."""
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return False
+    if not getattr(model.config, "tie_word_embeddings", False) or is_quantized(model):
+        return False  # an int8 head (jaxspec.quantize) keeps its own layout and scales
     return all(device.platform == "cpu" for device in model.module.embed[...].devices())
 
 

@@ -64,6 +64,7 @@ from flax import nnx
 
 from jaxspec.cache import KVCache, init_kv_cache
 
+from . import int8 as I
 from . import layers as L
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -456,7 +457,7 @@ class GemmaDecoderLayer(nnx.Module):
             setattr(self, name, nnx.Param(_init_value(name, shape, cfg, dtype, rngs), logical_axes=axes))
 
     def params(self) -> dict[str, jax.Array]:
-        return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+        return I.layer_params(self)
 
 
 class GemmaForCausalLM(nnx.Module):
@@ -479,8 +480,8 @@ class GemmaForCausalLM(nnx.Module):
 
     def input_embeddings(self, tokens: jax.Array) -> jax.Array:
         """The token embedding scaled by sqrt(hidden), the scale rounded to the param dtype as HF does. [B, T, D]"""
-        embed = self.embed[...]
-        return embed[tokens] * _scale(math.sqrt(self.cfg.hidden_size), embed.dtype)
+        return (I.lookup(I.weight(self, "embed"), tokens, self.dtype)
+                * _scale(math.sqrt(self.cfg.hidden_size), self.dtype))
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """The input of `run_layers` from layer 0: [B, T, D], or [B, T, D + L * P] with per-layer inputs packed."""
@@ -547,12 +548,12 @@ class GemmaForCausalLM(nnx.Module):
         """LM head over final-normed hidden states, then the final soft-cap if any: [..., D] -> [..., V] float32.
         `head`: the [D, V] head where the caller holds it in another layout (`jaxspec.head.verify_head`)."""
         head = self.head_matrix() if head is None else head
-        logits = jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+        logits = I.project("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
         return L.soft_cap(logits, self.cfg.final_softcap)
 
     def head_matrix(self) -> jax.Array:
         """[D, V]: the tied embedding, transposed (a view XLA folds into the product), or the untied head."""
-        return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return I.weight(self, "embed").T if self.cfg.tie_word_embeddings else I.weight(self, "lm_head")
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: GemmaCache, head: jax.Array | None = None):
         x, cache = self.run_layers(self.embed_tokens(tokens), positions, cache)
@@ -594,14 +595,14 @@ def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, i
     kind = cfg.kind(index)
 
     h = L.gemma_rms_norm(x, p["attn_norm"], eps, offset)
-    q = jnp.einsum("btd,dhk->bthk", h, p["wq"])  # [B, T, H, Dh]
+    q = I.project("btd,dhk->bthk", h, p["wq"])  # [B, T, H, Dh]
     if cfg.qk_norm:
         q = L.gemma_rms_norm(q, p["q_norm"], eps, offset)
     q = L.apply_rope(q, positions, inv_freq[layer_type])
     stack, slot = stacks[layer_type], cfg.cache_slot(index)
     if cfg.computes_kv(index):
-        k = jnp.einsum("btd,dhk->bthk", h, p["wk"])  # [B, T, K, Dh]
-        v = jnp.einsum("btd,dhk->bthk", h, p["wv"]) if cfg.has_value_proj(index) else k  # k_eq_v: raw keys
+        k = I.project("btd,dhk->bthk", h, p["wk"])  # [B, T, K, Dh]
+        v = I.project("btd,dhk->bthk", h, p["wv"]) if cfg.has_value_proj(index) else k  # k_eq_v: raw keys
         if cfg.qk_norm:
             k = L.gemma_rms_norm(k, p["k_norm"], eps, offset)
         if cfg.v_norm:
@@ -615,7 +616,7 @@ def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, i
         stacks = stacks | {layer_type: stack}
     attn = L.attend_live(L.windowed_attention, q, stack.k, stack.v, positions, cfg.query_scale, kind.window,
                          cfg.attn_softcap, layer=slot)
-    out = jnp.einsum("bthk,hkd->btd", attn, p["wo"])
+    out = I.project("bthk,hkd->btd", attn, p["wo"])
     x = x + L.gemma_rms_norm(out, p["post_attn_norm"], eps, offset)
 
     h = L.gemma_rms_norm(x, p["mlp_norm"], eps, offset)

@@ -13,6 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import int8 as I
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm as Llama defines it: normalise in float32, cast back, then scale (HF `LlamaRMSNorm`)."""
@@ -158,7 +160,8 @@ def cached_attention(
 
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """SwiGLU MLP: down(silu(x @ gate) * (x @ up)). x: [..., D], w_gate/w_up: [D, F], w_down: [F, D]."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    gate, up = I.project("...d,df->...f", x, w_gate), I.project("...d,df->...f", x, w_up)
+    return I.project("...f,fd->...d", jax.nn.silu(gate) * up, w_down)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -259,7 +262,8 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
 
 def gelu_gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """GeGLU MLP with the tanh GELU (HF `gelu_pytorch_tanh`): down(gelu(x @ gate) * (x @ up))."""
-    return (jax.nn.gelu(x @ w_gate, approximate=True) * (x @ w_up)) @ w_down
+    gate, up = I.project("...d,df->...f", x, w_gate), I.project("...d,df->...f", x, w_up)
+    return I.project("...f,fd->...d", jax.nn.gelu(gate, approximate=True) * up, w_down)
 
 
 def proportional_inv_freq(head_dim: int, theta: float, partial_rotary_factor: float, factor: float = 1.0) -> jax.Array:

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxspec.cache import KVCache, init_kv_cache
 
+from . import int8 as I
 from . import layers as L
 from .moe import num_mtp_layers
 
@@ -207,7 +208,7 @@ class LlamaDecoderLayer(nnx.Module):
                                               logical_axes=PARAM_AXES[name][1:]))
 
     def params(self) -> dict[str, jax.Array]:
-        return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+        return I.layer_params(self)
 
 
 class LlamaMtpLayer(LlamaDecoderLayer):
@@ -250,7 +251,7 @@ class LlamaForCausalLM(nnx.Module):
     # -- pieces, so drafters can run part of the network ---------------------------------------------------------
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        return self.embed[...][tokens]  # [B, T, D]
+        return I.lookup(I.weight(self, "embed"), tokens, self.dtype)  # [B, T, D]
 
     def run_layers(
         self, x: jax.Array, positions: jax.Array, cache: KVCache, start: int = 0, stop: int | None = None
@@ -272,11 +273,11 @@ class LlamaForCausalLM(nnx.Module):
         """LM head over final-normed hidden states: [..., D] -> [..., V], always float32. `head`: the [D, V] head
         where the caller holds it in another layout (`jaxspec.head.verify_head`), else this model's own."""
         head = self.head_matrix() if head is None else head
-        return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+        return I.project("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
 
     def head_matrix(self) -> jax.Array:
         """[D, V]: the tied embedding, transposed (a view XLA folds into the product), or the untied head."""
-        return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return I.weight(self, "embed").T if self.cfg.tie_word_embeddings else I.weight(self, "lm_head")
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, head: jax.Array | None = None):
         x, cache = self.run_layers(self.embed_tokens(tokens), positions, cache)
@@ -326,13 +327,13 @@ class LlamaForCausalLM(nnx.Module):
         """[V', D]: the head's rows for the draft vocabulary's ids. Gathering them reads as many bytes as the product
         that uses them, so decoding gathers them once per call (`MtpDrafter.init`), not once per draft step."""
         ids = self.draft_vocab[...]
-        return self.embed[...][ids] if self.cfg.tie_word_embeddings else self.lm_head[...].T[ids]
+        return I.weight(self, "embed")[ids] if self.cfg.tie_word_embeddings else I.weight(self, "lm_head").T[ids]
 
     def draft_vocab_logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
         """The draft head over the V' token ids of `draft_vocab`: [..., D] -> [..., V'], float32. `head`: this
         model's `draft_head()`, where the caller gathered it already."""
         head = self.draft_head() if head is None else head
-        return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
+        return I.project("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
 
     def draft_logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
         """Logits that MTP drafts are chosen from: [..., D] -> [..., V], float32.
@@ -362,9 +363,9 @@ def _decoder_layer(cfg: LlamaConfig, p, x, positions, k_cache, v_cache, index, i
     cache entries from position `first` on (an MTP depth k has none below k+1), and only the last `window`
     positions when the layer slides (Qwen2's use_sliding_window)."""
     h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dhk->bthk", h, p["wq"])  # [B, T, H, Dh]
-    k = jnp.einsum("btd,dhk->bthk", h, p["wk"])  # [B, T, K, Dh]
-    v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
+    q = I.project("btd,dhk->bthk", h, p["wq"])  # [B, T, H, Dh]
+    k = I.project("btd,dhk->bthk", h, p["wk"])  # [B, T, K, Dh]
+    v = I.project("btd,dhk->bthk", h, p["wv"])
     if cfg.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q = L.apply_rope(q, positions, inv_freq)
@@ -380,7 +381,7 @@ def _decoder_layer(cfg: LlamaConfig, p, x, positions, k_cache, v_cache, index, i
                              layer=index)
     else:
         attn = L.attend_live(L.cached_attention, q, k_cache, v_cache, positions, cfg.head_dim**-0.5, layer=index)
-    out = jnp.einsum("bthk,hkd->btd", attn, p["wo"])
+    out = I.project("bthk,hkd->btd", attn, p["wo"])
     if cfg.o_bias:
         out = out + p["bo"]
     x = x + out
