@@ -1,7 +1,8 @@
 """jaxspec against transformers on CPU, side by side in one run: a markdown table of tokens/s and their ratios.
 
     python scripts/bench.py [--models smollm2-135m,random-500m]
-        [--strategies greedy,speculative,speculative-self,prompt_lookup,early_exit,universal]
+        [--strategies greedy,speculative,speculative-self,prompt_lookup,early_exit,universal,
+                      speculative-int8,universal-int8]
         [--universal-assistant smollm2-135m]
         [--max-new-tokens 64] [--repeats 3] [--threads T] [--out bench_out/] [--skip-hf]
         [--prompts code_completion,code_editing,chat,summary]
@@ -14,9 +15,10 @@ Models: any catalogue name (`jaxspec.catalog`; transformers loads the same GGUF 
 assistant of the same vocabulary; `speculative-self` drafts with the target itself (every draft accepted: the
 ceiling of speculative decoding). `universal` drafts with `--universal-assistant`, a catalogue model with another
 tokenizer (SmolLM2-135M for a Qwen target): jaxspec maps the vocabularies in its loop, transformers runs its
-universal assisted decoding with the same two tokenizers. Batch 1 and float32 everywhere; greedy decoding, so every
-strategy must give the plain greedy tokens. Besides the table over all prompts, a second table gives each
-strategy's speedup over its own library's greedy per prompt.
+universal assisted decoding with the same two tokenizers. `speculative-int8` and `universal-int8` run the same
+assistants with int8 weights and activations (`jaxspec.quantize`), jaxspec only. Batch 1 and float32 everywhere
+else; greedy decoding, so every strategy must give the plain greedy tokens. Besides the table over all prompts, a
+second table gives each strategy's speedup over its own library's greedy per prompt.
 
 Timing: each (library, model, strategy) runs the prompt set once untimed (jaxspec compiles there, reported in its
 own column), then `--repeats` (at least 3) timed passes; tokens/s is new tokens over the summed per-call seconds of a
@@ -67,7 +69,11 @@ from _bench_prompts import PROMPTS, RANDOM_PROMPT_LENGTHS
 # jax, torch, transformers and jaxspec are imported inside functions, never at module level: the thread setting
 # (CPU affinity, environment) must be in place before either runtime starts its thread pools.
 
-STRATEGIES = ("greedy", "speculative", "speculative-self", "prompt_lookup", "early_exit", "universal")
+STRATEGIES = ("greedy", "speculative", "speculative-self", "prompt_lookup", "early_exit", "universal",
+              "speculative-int8", "universal-int8")
+# `speculative-int8` and `universal-int8`: the same assistant with int8 weights and activations (jaxspec.quantize).
+# jaxspec only: transformers' assisted generate has no int8 CPU assistant to compare with.
+INT8 = "-int8"
 
 # Random Llama configs. 49152 is the SmolLM2 vocabulary, so its tokenizer's ids are valid prompts for them too.
 RANDOM_COMMON = dict(
@@ -433,6 +439,12 @@ def draft_settings(args, source: ModelSource) -> DraftSettings:
 
 def plan_for(strategy: str, source: ModelSource, s: DraftSettings) -> Plan | str:
     """The plan for `strategy`, or the reason it does not apply to this model."""
+    if strategy.endswith(INT8):
+        plan = plan_for(strategy[: -len(INT8)], source, s)
+        if isinstance(plan, str):
+            return plan
+        return dataclasses.replace(plan, strategy=strategy, settings=f"{plan.settings} int8",
+                                   drafter=plan.drafter + INT8)
     draft = dict(num_assistant_tokens=s.num_assistant_tokens, num_assistant_tokens_schedule=s.schedule,
                  assistant_confidence_threshold=s.confidence_threshold)
     hf_draft = draft | {"num_assistant_tokens_schedule": "constant" if s.schedule == "adaptive" else s.schedule}
@@ -495,12 +507,13 @@ def measure_all(model: str, calls: dict[tuple[str, str], CallFn], prompts: dict[
 
 
 def jaxspec_call(plan: Plan, target, assistants: dict, eos: list[int], pad: int, max_new_tokens: int) -> CallFn:
-    """`assistants`: {"assistant": same-tokenizer drafter, "universal": drafter with another tokenizer}; a
-    universal assistant brings its own tokenizer, which jaxspec maps onto the target's."""
+    """`assistants`: {"assistant": same-tokenizer drafter, "universal": drafter with another tokenizer, and their
+    int8 copies as "assistant-int8", "universal-int8"}; a universal assistant brings its own tokenizer, which
+    jaxspec maps onto the target's."""
     import jaxspec
 
     kwargs = plan.jaxspec_kwargs | plan.draft_config
-    if plan.drafter in ("assistant", "universal"):
+    if plan.drafter in assistants:
         kwargs["assistant_model"] = assistants[plan.drafter]
     elif plan.strategy == "speculative-self":
         kwargs["assistant_model"] = target
@@ -635,10 +648,12 @@ def bench_model(source: ModelSource, args, settings: DraftSettings, notes: list[
         else:
             plans[strategy] = plan
     paths = {"assistant": source.assistant_path, "universal": source.universal_path}
-    drafters = {p.drafter for p in plans.values()} & set(paths)
+    quantized = {p.drafter for p in plans.values() if p.drafter and p.drafter.endswith(INT8)}
+    drafters = ({p.drafter for p in plans.values()} | {kind[: -len(INT8)] for kind in quantized}) & set(paths)
 
     target = jaxspec.load(source.path, dtype="float32")  # explicit: the default is bfloat16 on accelerators
     assistants = {kind: jaxspec.load(paths[kind], dtype="float32") for kind in drafters}
+    assistants |= {kind: jaxspec.quantize(assistants[kind[: -len(INT8)]], "int8") for kind in quantized}
     prompts = encode_prompts(prompt_tokenizer(source, target), target.config.vocab_size, args.prompts)
     eos = list(target.eos_token_ids())
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else (eos[0] if eos else 0)
@@ -654,7 +669,7 @@ def bench_model(source: ModelSource, args, settings: DraftSettings, notes: list[
         tokenizers = (target.tokenizer, assistants["universal"].tokenizer) if "universal" in drafters else None
         calls |= {("transformers", s): hf_call(p, hf_target, hf_assistants, tally, eos, pad, args.max_new_tokens,
                                                tokenizers)
-                  for s, p in plans.items()}
+                  for s, p in plans.items() if not s.endswith(INT8)}
     results = measure_all(source.name, calls, prompts, args.repeats)
     return ModelRun(
         plans=plans,

@@ -3,13 +3,15 @@ figures behind the adaptive schedule's verify costs (`jaxspec.strategies.base.de
 `generate` measures for itself: jaxspec/costs.py, whose timing loop this script runs).
 
     python scripts/bench_verify_width.py [--model smollm2-135m] [--widths 1,2,3,4,8] [--steps 20]
+        [--quantization int8]
 
 Per width, one jitted loop of `--steps` target forwards at batch 1 that writes a 512-position cache in place (as
 the decode loop does; the cache is donated), from position 200; best of 4 runs, printed as milliseconds per forward
 and as the ratio to width 1, side by side in one run. Where `generate` verifies with a contiguous copy of a tied
 head (on CPU: jaxspec/head.py), both heads are timed: the tied embedding read through a transpose, and the copy that
 decoding uses. Timing single calls instead would add a copy of the whole cache and a dispatch to every width, which
-hides most of the difference. On a CPU the ratio shows what leaving the memory-bound matrix-vector path costs (the
+hides most of the difference. `--quantization int8` adds a column for the same model through `jaxspec.quantize` (int8
+weights and activations: what an int8 assistant's forward costs), and its one-token forward over the float one. On a CPU the ratio shows what leaving the memory-bound matrix-vector path costs (the
 LM head's matrix multiply at 2 rows costs about twice its 1-row product); on an accelerator it stays near 1.
 """
 
@@ -24,6 +26,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--widths", default="1,2,3,4,8")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--quantization", default=None, choices=("int8",))
     args = p.parse_args(argv)
 
     import jax
@@ -35,15 +38,22 @@ def main(argv=None) -> None:
 
     model = jaxspec.load(args.model)
     copy = verify_head(model, nnx.split(model.module)[1], None)  # None where generate verifies with the model's head
-    heads = {"model's head": None} if copy is None else {"tied view": None, "contiguous copy (generate)": copy}
+    heads = {"model's head": (model, None)} if copy is None else {"tied view": (model, None),
+                                                                   "contiguous copy (generate)": (model, copy)}
+    if args.quantization:
+        heads[args.quantization] = (jaxspec.quantize(model, args.quantization), None)
     widths = tuple(sorted({1} | {int(w) for w in args.widths.split(",")}))
-    milliseconds = {name: time_forwards(model, widths, head, steps=args.steps, runs=4) for name, head in heads.items()}
+    milliseconds = {name: time_forwards(timed, widths, head, steps=args.steps, runs=4)
+                    for name, (timed, head) in heads.items()}
     print(f"# verify width cost: {args.model}, {jax.default_backend()}, {model.dtype}, batch 1\n")
     print("| width | " + " | ".join(f"{name}: ms | vs one token" for name in heads) + " |")
     print("|---:|" + "---:|---:|" * len(heads))
     for w in widths:
         cells = [f"{milliseconds[name][w]:.2f} | {milliseconds[name][w] / milliseconds[name][1]:.2f}" for name in heads]
         print(f"| {w} | " + " | ".join(cells) + " |")
+    if args.quantization:
+        floating = milliseconds[next(iter(heads))][1]
+        print(f"\n{args.quantization} one-token forward / float one: {milliseconds[args.quantization][1] / floating:.2f}")
 
 
 if __name__ == "__main__":

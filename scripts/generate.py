@@ -2,6 +2,7 @@
 
     python scripts/generate.py --prompt "Write a haiku about JAX" --max-new-tokens 64
     python scripts/generate.py --model qwen2.5-coder-1.5b --strategy speculative --assistant qwen2.5-coder-0.5b
+        [--assistant-quantization int8]
     python scripts/generate.py --model qwen2.5-coder-0.5b --strategy speculative --assistant smollm2-135m
     python scripts/generate.py --model PATH --strategy prompt_lookup --prompt-lookup-num-tokens 10 --json
     python scripts/generate.py --model DEEPSEEK_OR_GLM_FOLDER --strategy mtp
@@ -56,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                      "it runs universal assisted decoding), or a Gemma 4 MTP "
                                                      "drafter for --strategy mtp (without it, mtp uses the "
                                                      "checkpoint's own MTP layers)")
+    p.add_argument("--assistant-quantization", default=None, choices=("int8",),
+                   help="run the --assistant with int8 weights and activations (jaxspec.quantize): cheaper drafts, "
+                        "same output, since the target verifies every draft")
     p.add_argument("--num-assistant-tokens", type=int, default=None)
     p.add_argument("--num-assistant-tokens-schedule", default=None,
                    choices=("adaptive", "constant", "heuristic", "heuristic_transient"),
@@ -82,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--strategy early_exit needs --exit-layer E")
     if args.assistant is not None and args.strategy not in ("speculative", "mtp"):
         p.error("--assistant is only used with --strategy speculative, or mtp with a Gemma 4 MTP drafter")
+    if args.assistant_quantization and args.strategy != "speculative":
+        p.error("--assistant-quantization quantizes the --assistant of --strategy speculative")
     return args
 
 
@@ -163,6 +169,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     model = jaxspec.load(args.model, dtype=args.dtype, progress=not args.json and jax.process_index() == 0, mesh=mesh)
     assistant = jaxspec.load(args.assistant, dtype=args.dtype, mesh=mesh) if args.assistant else None
+    if args.assistant_quantization:
+        assistant = jaxspec.quantize(assistant, args.assistant_quantization)
     load_seconds = time.perf_counter() - start
     if args.strategy == "mtp" and assistant is not None and assistant.hf_config.get("model_type") != "gemma4_assistant":
         print(f"--strategy mtp --assistant needs a Gemma 4 MTP drafter (gemma4_assistant); {args.assistant} is "

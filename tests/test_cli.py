@@ -56,3 +56,9 @@ def test_text_output_shows_counters(cli, folder, capsys):
 def test_speculative_needs_an_assistant(cli, folder):
     with pytest.raises(SystemExit):
         cli.parse_args(["--model", folder, "--strategy", "speculative"])
+
+
+def test_assistant_quantization_needs_an_assistant(cli, folder, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--model", folder, "--strategy", "prompt_lookup", "--assistant-quantization", "int8"])
+    assert "--assistant-quantization quantizes the --assistant of --strategy speculative" in capsys.readouterr().err

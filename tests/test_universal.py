@@ -626,8 +626,22 @@ def test_sampling_is_exact(folders, loaded, near_twin):
         assert oracles.goodness_of_fit(new[:, i], exact[i]) > 1e-3, i
 
 
-def test_cli_assistant_with_another_tokenizer(folders, capsys, monkeypatch):
-    """`--strategy speculative --assistant` with another tokenizer runs universal decoding, greedy-identical."""
+def test_a_quantized_assistant_with_another_tokenizer(loaded, near_twin):
+    """An int8 assistant (jaxspec.quantize) drafts in its own vocabulary as its float32 self does: a batch of ragged
+    prompts still decodes to plain greedy, with drafts accepted."""
+    target, assistant = loaded["byte_level"], jaxspec.quantize(jaxspec.load(near_twin))
+    prompts = encode(target.tokenizer, PROMPTS)
+    plain = jaxspec.generate(target, prompts, max_new_tokens=N)
+    out = jaxspec.generate(target, prompts, max_new_tokens=N, assistant_model=assistant, num_assistant_tokens=4,
+                           num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+    assert out.strategy == "universal" and out.accepted.sum() > 0
+    np.testing.assert_array_equal(out.sequences, plain.sequences)
+
+
+@pytest.mark.parametrize("quantization", [[], ["--assistant-quantization", "int8"]])
+def test_cli_assistant_with_another_tokenizer(folders, capsys, monkeypatch, quantization):
+    """`--strategy speculative --assistant` with another tokenizer runs universal decoding, greedy-identical, with
+    the assistant in float32 or int8."""
     import importlib.util
     import os
 
@@ -638,6 +652,6 @@ def test_cli_assistant_with_another_tokenizer(folders, capsys, monkeypatch):
     spec.loader.exec_module(cli)
     assert cli.main(["--model", folders["byte_level"], "--assistant", folders["sentencepiece"], "--strategy",
                      "speculative", "--prompt", PROMPTS[0], "--max-new-tokens", "12", "--json",
-                     "--compare-plain"]) == 0
+                     "--compare-plain", *quantization]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["strategy"] == "universal" and report["same_tokens_as_plain"] is True
