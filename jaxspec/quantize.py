@@ -18,12 +18,11 @@ import functools
 import jax
 from flax import nnx
 
+from .head import is_quantized
+from .loading import Model
 from .models import int8 as I
 from .models.gemma import GemmaForCausalLM
 from .models.llama import LlamaForCausalLM
-
-from .head import is_quantized
-from .loading import Model
 
 MODES = ("int8",)
 # Contracted axes of each quantized param: its scales are per output channel, over these.

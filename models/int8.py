@@ -47,9 +47,6 @@ class Int8Weight:
         """Rows `ids` of a [V, D] table whose scale is per row ([V, 1]), still quantized (a draft head's rows)."""
         return Int8Weight(self.values[ids], self.scale[ids])
 
-    def dequantize(self, dtype) -> jax.Array:
-        return self.values.astype(dtype) * self.scale.astype(dtype)
-
 
 SCALE_SUFFIX = "_scale"  # a quantized param `w` of a module has its scales in the param `w_scale`
 

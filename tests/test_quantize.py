@@ -110,6 +110,7 @@ def test_a_quantized_assistant_keeps_greedy_output(target, batch):
     assert out.accepted.sum() > 0.5 * out.drafted.sum() > 0
 
 
+@pytest.mark.slow
 def test_a_quantized_target_decodes_its_own_greedy(target):
     quantized = quantize(target)
     ids, mask = left_padded(PROMPTS[:2])
