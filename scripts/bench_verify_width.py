@@ -10,9 +10,11 @@ the decode loop does; the cache is donated), from position 200; best of 4 runs, 
 and as the ratio to width 1, side by side in one run. Where `generate` verifies with a contiguous copy of a tied
 head (on CPU: jaxspec/head.py), both heads are timed: the tied embedding read through a transpose, and the copy that
 decoding uses. Timing single calls instead would add a copy of the whole cache and a dispatch to every width, which
-hides most of the difference. `--quantization int8` adds a column for the same model through `jaxspec.quantize` (int8
-weights and activations: what an int8 assistant's forward costs), and its one-token forward over the float one. On a CPU the ratio shows what leaving the memory-bound matrix-vector path costs (the
+hides most of the difference. On a CPU the ratio shows what leaving the memory-bound matrix-vector path costs (the
 LM head's matrix multiply at 2 rows costs about twice its 1-row product); on an accelerator it stays near 1.
+`--quantization int8` adds a column for the same model through `jaxspec.quantize` (int8 weights and activations:
+what an int8 assistant's forward costs, with the model's own head, as an assistant drafts), and its one-token forward
+over the float model's.
 """
 
 from __future__ import annotations
