@@ -36,10 +36,6 @@ class Int8Weight:
     scale: jax.Array  # float32, the weight's shape with its contracted axes of size 1
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self.values.shape
-
-    @property
     def T(self) -> "Int8Weight":  # noqa: N802 (the array attribute it stands in for)
         return Int8Weight(self.values.T, self.scale.T)
 
