@@ -27,8 +27,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from . import distributed, inplace, settings as settings_lib
-from .costs import price_schedule
-from .head import verify_head
+from .costs import choose_verify_layout, price_schedule
+from .head import as_columns, default_layout, verify_head
 from .loading import Model
 from .sampling import select
 from .settings import Settings
@@ -245,8 +245,10 @@ def run_drafter(
     control.check_batch(len(prompts))
     _check_budget(model, prompts, settings.max_new_tokens)
     setup = time.perf_counter()
-    if mesh is None:  # a sharded run keeps the fixed costs (jaxspec/costs.py)
-        drafter = price_schedule(drafter, model, assistant)
+    layout = default_layout(model)
+    if mesh is None:  # a sharded run keeps the fixed costs and the default head layout (jaxspec/costs.py)
+        layout = choose_verify_layout(drafter, model)
+        drafter = price_schedule(drafter, model, assistant, layout)
     setup_seconds = time.perf_counter() - setup  # measuring step costs compiles too: counted with the compiles
     rules = sharding_rules or ShardingRules()
     chunk = prefill_chunk or default_prefill_chunk()
@@ -268,7 +270,7 @@ def run_drafter(
                     ensemble_weight, chunk, mesh, rules, bool(return_logits))
     # Run-time inputs: new values reuse the executables.
     inputs = jax.tree.map(jnp.asarray, (settings.processing(model.config.vocab_size), drafter.runtime_inputs()))
-    inputs = (*inputs, verify_head(model, target_state, mesh))
+    inputs = (*inputs, verify_head(model, target_state, mesh, layout))
     prefill_args = (
         target_state,
         assistant_state,
@@ -600,7 +602,7 @@ def _context(spec: LoopSpec, target_state, assistant_state, inputs) -> Context:
     assistant = nnx.merge(spec.assistant_graphdef, assistant_state) if spec.assistant_graphdef else None
     processing, draft_inputs, head = inputs
     return Context(target=target, assistant=assistant, processing=processing, do_sample=spec.do_sample,
-                   ngram_slots=spec.ngram_slots, draft_inputs=draft_inputs, head=head)
+                   ngram_slots=spec.ngram_slots, draft_inputs=draft_inputs, head=as_columns(head))
 
 
 def _prefill(spec: LoopSpec, target_state, assistant_state, tokens, prompt_lengths, max_new_tokens, rng,

@@ -7,9 +7,9 @@ figures behind the adaptive schedule's verify costs (`jaxspec.strategies.base.de
 
 Per width, one jitted loop of `--steps` target forwards at batch 1 that writes a 512-position cache in place (as
 the decode loop does; the cache is donated), from position 200; best of 4 runs, printed as milliseconds per forward
-and as the ratio to width 1, side by side in one run. Where `generate` verifies with a contiguous copy of a tied
-head (on CPU: jaxspec/head.py), both heads are timed: the tied embedding read through a transpose, and the copy that
-decoding uses. Timing single calls instead would add a copy of the whole cache and a dispatch to every width, which
+and as the ratio to width 1, side by side in one run. On CPU, where the head's layout matters (jaxspec/head.py), the
+head is timed in both layouts, [D, V] and [V, D]: one is the model's own, the other a contiguous copy, and
+`generate` verifies with the faster at width 2 (a copy must win by 3%). Timing single calls instead would add a copy of the whole cache and a dispatch to every width, which
 hides most of the difference. On a CPU the ratio shows what leaving the memory-bound matrix-vector path costs (the
 LM head's matrix multiply at 2 rows costs about twice its 1-row product); on an accelerator it stays near 1.
 `--quantization int8` adds a column for the same model through `jaxspec.quantize` (int8 weights and activations:
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+NAMES = {"dv": "[D, V]", "vd": "[V, D]"}  # jaxspec.head.COLUMNS, ROWS
 
 
 def main(argv=None) -> None:
@@ -36,12 +38,14 @@ def main(argv=None) -> None:
 
     import jaxspec
     from jaxspec.costs import time_forwards
-    from jaxspec.head import verify_head
+    from jaxspec.head import LAYOUTS, layout_matters, own_layout, verify_head
 
     model = jaxspec.load(args.model)
-    copy = verify_head(model, nnx.split(model.module)[1], None)  # None where generate verifies with the model's head
-    heads = {"model's head": (model, None)} if copy is None else {"tied view": (model, None),
-                                                                   "contiguous copy (generate)": (model, copy)}
+    state = nnx.split(model.module)[1]
+    heads = {"model's head": (model, None)}
+    if layout_matters(model):
+        heads = {f"{NAMES[layout]} {'own' if layout == own_layout(model) else 'copy'}":
+                 (model, verify_head(model, state, None, layout)) for layout in LAYOUTS}
     if args.quantization:
         heads[args.quantization] = (jaxspec.quantize(model, args.quantization), None)
     widths = tuple(sorted({1} | {int(w) for w in args.widths.split(",")}))
