@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .head import COPY_MARGIN, LAYOUTS, as_columns, default_layout, layout_matters, own_layout, verify_head
+from .head import COPY_MARGIN, LAYOUTS, as_columns, default_layout, layout_matters, own_layout, verify_heads
 from .loading import Model
 from .strategies.draft_model import DraftModelDrafter
 from .strategies.universal import UniversalDrafter
@@ -173,27 +173,28 @@ def _source_hash(folder: str) -> str:
 
 
 def _measure(model: Model, widths: tuple[int, ...], verifying: bool, layout: str | None) -> dict[int, float]:
-    head = verify_head(model, nnx.split(model.module)[1], None, layout) if verifying else None
-    return time_forwards(model, widths, head)
+    heads = verify_heads(model, nnx.split(model.module)[1], None, layout) if verifying else None
+    return time_forwards(model, widths, heads)
 
 
-def time_forwards(model: Model, widths: tuple[int, ...], head=None, steps: int = STEPS, runs: int = RUNS,
+def time_forwards(model: Model, widths: tuple[int, ...], heads=None, steps: int = STEPS, runs: int = RUNS,
                   cache_size: int = CACHE_SIZE) -> dict[int, float]:
-    """Milliseconds per forward of `model` at batch 1 for each width, with `head` (what `head.verify_head` returns;
-    None: the model's own): the best of `runs` timed runs of one compiled loop of `steps` forwards that writes a
+    """Milliseconds per forward of `model` at batch 1 for each width, with `heads` (what `head.verify_heads`
+    returns; None: the model's own): the best of `runs` timed runs of one compiled loop of `steps` forwards that writes a
     `cache_size` cache in place from position START_POSITION on, as decoding does (the cache is donated). Timing
     single calls instead would add a copy of the whole cache and a dispatch to every width, which hides most of the
     difference between widths."""
     graphdef, state = nnx.split(model.module)
 
-    def loop(state, head, cache, width: int):
+    def loop(state, heads, cache, width: int):
         module = nnx.merge(graphdef, state)
 
         def step(i, carry):
             cache, checksum = carry
             tokens = jnp.ones((1, width), jnp.int32)
             positions = START_POSITION + i * width + jnp.arange(width)[None]  # [1, W]
-            logits, _, cache = module(tokens, positions, cache, head=as_columns(head))
+            head = as_columns(heads[0] if width == 1 else heads[1]) if heads is not None else None
+            logits, _, cache = module(tokens, positions, cache, head=head)
             return cache, checksum + logits[0, 0, 0]  # a result that depends on every step
 
         return jax.lax.fori_loop(0, steps, step, (cache, jnp.zeros((), jnp.float32)))
@@ -201,12 +202,12 @@ def time_forwards(model: Model, widths: tuple[int, ...], head=None, steps: int =
     run = jax.jit(loop, static_argnums=3, donate_argnums=2)
     milliseconds = {}
     for width in widths:
-        cache, checksum = run(state, head, model.module.init_cache(1, cache_size), width)  # compiles
+        cache, checksum = run(state, heads, model.module.init_cache(1, cache_size), width)  # compiles
         jax.block_until_ready(checksum)
         best = float("inf")
         for _ in range(runs):
             start = time.perf_counter()
-            cache, checksum = run(state, head, cache, width)
+            cache, checksum = run(state, heads, cache, width)
             jax.block_until_ready(checksum)
             best = min(best, (time.perf_counter() - start) / steps)
         milliseconds[width] = best * 1e3

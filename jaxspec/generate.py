@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from . import distributed, inplace, settings as settings_lib
 from .costs import choose_verify_layout, price_schedule
-from .head import as_columns, default_layout, verify_head
+from .head import as_columns, default_layout, verify_heads
 from .loading import Model
 from .sampling import select
 from .settings import Settings
@@ -270,7 +270,7 @@ def run_drafter(
                     ensemble_weight, chunk, mesh, rules, bool(return_logits))
     # Run-time inputs: new values reuse the executables.
     inputs = jax.tree.map(jnp.asarray, (settings.processing(model.config.vocab_size), drafter.runtime_inputs()))
-    inputs = (*inputs, verify_head(model, target_state, mesh, layout))
+    inputs = (*inputs, verify_heads(model, target_state, mesh, layout))
     prefill_args = (
         target_state,
         assistant_state,
@@ -600,9 +600,10 @@ def _given_layout(input_ids, prompts, pad_id) -> np.ndarray:
 def _context(spec: LoopSpec, target_state, assistant_state, inputs) -> Context:
     target = nnx.merge(spec.target_graphdef, target_state)
     assistant = nnx.merge(spec.assistant_graphdef, assistant_state) if spec.assistant_graphdef else None
-    processing, draft_inputs, head = inputs
+    processing, draft_inputs, (head_one, head) = inputs
     return Context(target=target, assistant=assistant, processing=processing, do_sample=spec.do_sample,
-                   ngram_slots=spec.ngram_slots, draft_inputs=draft_inputs, head=as_columns(head))
+                   ngram_slots=spec.ngram_slots, draft_inputs=draft_inputs, head=as_columns(head),
+                   head_one=as_columns(head_one))
 
 
 def _prefill(spec: LoopSpec, target_state, assistant_state, tokens, prompt_lengths, max_new_tokens, rng,
@@ -636,7 +637,7 @@ def _prefill(spec: LoopSpec, target_state, assistant_state, tokens, prompt_lengt
     chunks = (jnp.max(prompt_lengths) + chunk - 1) // chunk
     last_hidden = jnp.zeros((batch, target.cfg.hidden_size), target.dtype)
     cache, drafter_state, last_hidden = jax.lax.fori_loop(0, chunks, read_chunk, (cache, drafter_state, last_hidden))
-    logits = target.logits(last_hidden, ctx.head)[:, None]  # [B, 1, V]
+    logits = target.logits(last_hidden, ctx.head_for(1))[:, None]  # [B, 1, V]
     processed = ctx.process(logits, tokens, prompt_lengths, prompt_lengths)
     rng, first_rng = jax.random.split(rng)
     first = select(first_rng, processed[:, 0], spec.do_sample)  # [B]

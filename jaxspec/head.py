@@ -11,8 +11,8 @@ multiply is faster on one layout than on the other, and which one depends on the
   [D, V] head and 1.32 with a [V, D] copy, a four-token one 2.04 against 1.76; Qwen2.5-Coder-1.5B's (x 1536) cost
   the same either way (`python scripts/bench_verify_width.py --model ...` times both layouts).
 
-So on CPU, `generate` can hand the loop a contiguous copy of the head in the other layout (`verify_head`), which
-the target's verifying forwards use (`Context.head`). Where the adaptive schedule measures step costs
+So on CPU, `generate` can hand the loop a contiguous copy of the head in the other layout (`verify_heads`), which
+the target's verify blocks use (`Context.head_for`). Where the adaptive schedule measures step costs
 (jaxspec/costs.py), it times a two-token verify block with each layout and keeps the faster (the copy must win by
 `COPY_MARGIN`); otherwise a tied head is verified through a [D, V] copy and an untied one as it is stored (the
 first measurement's rule). A copy costs a second head's memory for as long as the model lives (113 MB for
@@ -75,22 +75,27 @@ def default_layout(model: Model) -> str | None:
     return COLUMNS if layout_matters(model) else None
 
 
-def verify_head(model: Model, target_state, mesh: Mesh | None, layout: str | None = None):
-    """The head the verifying forwards use: None where the model's own serves (`layout` None, the model's own
-    layout, or a head whose layout does not matter), else a contiguous copy in `layout`, [D, V] or `HeadRows`.
+def verify_heads(model: Model, target_state, mesh: Mesh | None, layout: str | None = None) -> tuple:
+    """(one, block): the heads of the target's one-position forwards and of its verify blocks of 2 and more, each
+    None where the model's own serves, else a contiguous copy, [D, V] or `HeadRows`.
 
-    `target_state`: the module's state as the loop receives it (sharded on `mesh` if any); the copy is transposed
-    from its head, so it inherits that sharding. It is cached on `model` until the module's head is replaced."""
+    `layout` None (or a head whose layout does not matter) keeps the model's own everywhere. A [D, V] layout serves
+    both widths; with a [V, D] one, one-position forwards keep an untied head's own [D, V], which their
+    matrix-vector product reads fastest (`python scripts/bench_verify_width.py --model qwen2.5-coder-0.5b`: 95 ms
+    against 99 with the copy), so plain steps cost what plain decoding's do. `target_state`: the module's state as
+    the loop receives it (sharded on `mesh` if any); the copy is transposed from its head, so it inherits that
+    sharding. It is cached on `model` until the module's head is replaced."""
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"verify head layout {layout!r} is not one of {LAYOUTS}.")
     if layout is None or layout == own_layout(model) or not layout_matters(model):
-        return None
+        return None, None
     source = _source(model)
     cached = model.head_cache
     if cached is None or cached[0] is not source or cached[1] != (mesh, layout):
         copy = _transpose(target_state[_source_name(model)].get_value())
         model.head_cache = (source, (mesh, layout), copy if layout == COLUMNS else HeadRows(copy))
-    return model.head_cache[2]
+    copy = model.head_cache[2]
+    return (copy, copy) if layout == COLUMNS else (None, copy)
 
 
 def _source_name(model: Model) -> str:

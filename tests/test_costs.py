@@ -63,7 +63,7 @@ def test_remeasure_overwrites_and_widths_between_are_interpolated(measuring, pai
     costs.price_schedule(choice.drafter, target, choice.assistant)  # stored
     timed = {True: {1: 10.0, 2: 16.0, 5: 22.0}, False: {1: 4.0}}  # target (verifying), assistant (drafting)
     monkeypatch.setattr(costs, "time_forwards",
-                        lambda model, widths, head=None: {w: timed[model is target][w] for w in widths})
+                        lambda model, widths, heads=None: {w: timed[model is target][w] for w in widths})
     monkeypatch.setenv("JAXSPEC_STEP_COSTS", "remeasure")
     schedule = costs.price_schedule(choice.drafter, target, choice.assistant).schedule
     # Width 4 lies two thirds of the way from 2 to 5: 16 + (22 - 16) * 2 / 3 = 20 ms.
@@ -75,7 +75,7 @@ def test_remeasure_overwrites_and_widths_between_are_interpolated(measuring, pai
 
 def test_what_measurement_leaves_alone(measuring, pair, monkeypatch):
     target, assistant = pair
-    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, head=None: {w: 10.0 + w for w in widths})
+    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, heads=None: {w: 10.0 + w for w in widths})
     lookup = choose_strategy(target, do_sample=False, prompt_lookup_num_tokens=4).drafter
     priced = costs.price_schedule(lookup, target, None).schedule
     assert priced.draft_cost == 0.0 and priced.verify_costs == (1.0, 1.09, 1.27, 1.36)  # copied drafts cost nothing
@@ -108,8 +108,9 @@ def test_a_misspelt_mode_is_named_before_anything_compiles(measuring, pair, monk
 def fake_timing(vocab_major_ms: float, columns_ms: float):
     """time_forwards where a two-token block costs `vocab_major_ms` with a [V, D] head and `columns_ms` with a
     [D, V] one; the model's own head is [V, D] when tied."""
-    def timing(model, widths, head=None):
-        rows = isinstance(head, HeadRows) or (head is None and model.config.tie_word_embeddings)
+    def timing(model, widths, heads=None):
+        block = None if heads is None else heads[1]
+        rows = isinstance(block, HeadRows) or (block is None and model.config.tie_word_embeddings)
         return {w: (vocab_major_ms if rows else columns_ms) * w / 2 for w in widths}
     return timing
 

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 import jaxspec
 from jaxspec import costs
-from jaxspec.head import COLUMNS, ROWS, HeadRows, verify_head
+from jaxspec.head import COLUMNS, ROWS, HeadRows, verify_heads
 from tests import hf_models
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5], [20, 21, 22, 23, 24, 25, 20, 21, 22]]
@@ -29,20 +29,20 @@ def test_the_copy_is_the_transposed_head_made_once(tied, tiny_llama_dir):
     _, model = tied
     embed = model.module.embed[...]
     state = nnx.state(model.module)
-    assert verify_head(model, state, None) is None  # no layout asked for: the model's own head
-    assert verify_head(model, state, None, ROWS) is None  # a tied head is stored [V, D] already
-    head = verify_head(model, state, None, COLUMNS)
-    assert head.shape == embed.shape[::-1]
-    np.testing.assert_array_equal(np.asarray(head), np.asarray(embed).T)
-    assert verify_head(model, state, None, COLUMNS) is head  # cached on the model
+    assert verify_heads(model, state, None) == (None, None)  # no layout asked for: the model's own head
+    assert verify_heads(model, state, None, ROWS) == (None, None)  # a tied head is stored [V, D] already
+    one, block = verify_heads(model, state, None, COLUMNS)
+    assert one is block and block.shape == embed.shape[::-1]  # a [D, V] copy serves every width
+    np.testing.assert_array_equal(np.asarray(block), np.asarray(embed).T)
+    assert verify_heads(model, state, None, COLUMNS)[1] is block  # cached on the model
     untied = jaxspec.load(tiny_llama_dir)
     state = nnx.state(untied.module)
-    assert verify_head(untied, state, None, COLUMNS) is None  # an untied head is stored [D, V] already
-    rows = verify_head(untied, state, None, ROWS)
-    assert isinstance(rows, HeadRows)
-    np.testing.assert_array_equal(np.asarray(rows.rows), np.asarray(untied.module.lm_head[...]).T)
+    assert verify_heads(untied, state, None, COLUMNS) == (None, None)  # an untied head is stored [D, V] already
+    one, block = verify_heads(untied, state, None, ROWS)
+    assert one is None and isinstance(block, HeadRows)  # one position keeps the [D, V] head it reads fastest
+    np.testing.assert_array_equal(np.asarray(block.rows), np.asarray(untied.module.lm_head[...]).T)
     with pytest.raises(ValueError, match="layout 'dvd' is not one of"):
-        verify_head(untied, state, None, "dvd")
+        verify_heads(untied, state, None, "dvd")
 
 
 def test_a_tied_model_decodes_as_transformers_does_and_uses_the_copy(tied):
@@ -75,8 +75,8 @@ def test_an_untied_model_verifying_with_a_row_copy_decodes_as_transformers_does(
     """Where the measured costs say a [V, D] copy verifies faster, generate uses it, and nothing else changes."""
     monkeypatch.setenv("JAXSPEC_STEP_COSTS", "measure")
     monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, head=None: {
-        w: (8.0 if isinstance(head, HeadRows) else 10.0) * (1 + w) for w in widths})
+    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, heads=None: {
+        w: (8.0 if heads is not None and isinstance(heads[1], HeadRows) else 10.0) * (1 + w) for w in widths})
     model = jaxspec.load(tiny_llama_dir)
     width = max(map(len, PROMPTS))
     ids = np.array([[0] * (width - len(p)) + p for p in PROMPTS])
