@@ -12,12 +12,10 @@ schedule on the slower day kept drafting where every draft lost time.
 
 So `generate` measures them, once per architecture and machine, and keeps them in a JSON file in the jaxspec cache
 folder (`$JAXSPEC_CACHE`, else ~/.cache/jaxspec): `step_costs.json`, one entry per (machine, backend, model shape,
-model code, head layout, width), in milliseconds. Costs depend on shapes, not weights, so a model of the same
-architecture reuses them. A measurement compiles one forward loop per measured width (what
-`scripts/bench_verify_width.py` times) and runs it a few times: on the build machine's slow day, 60 s for
-Qwen2.5-Coder-0.5B with a SmolLM2-135M assistant (three target widths and one assistant forward), most of it
-compiling; nothing on later calls. On CPU a two-token verify block is also timed with the head in each layout, and
-the faster one verifies (`choose_verify_layout`, jaxspec/head.py).
+model code, width), in milliseconds. Costs depend on shapes, not weights, so a model of the same architecture reuses
+them. A measurement compiles one forward loop per measured width (what `scripts/bench_verify_width.py` times) and
+runs it a few times: on the build machine's slow day, 60 s for Qwen2.5-Coder-0.5B with a SmolLM2-135M assistant
+(three target widths and one assistant forward), most of it compiling; nothing on later calls.
 
 `JAXSPEC_STEP_COSTS` chooses: `measure` (the default), `default` (the fixed figures of
 `strategies.base.default_verify_costs` and the weight-bytes ratio for an assistant: deterministic, what the test
@@ -41,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .head import COPY_MARGIN, LAYOUTS, as_columns, default_layout, layout_matters, own_layout, verify_heads
+from .head import verify_head
 from .loading import Model
 from .strategies.draft_model import DraftModelDrafter
 from .strategies.universal import UniversalDrafter
@@ -70,52 +68,41 @@ def measurable(*models: Model) -> bool:
     return all(len(leaf.devices()) == 1 for leaf in leaves)
 
 
-def forward_milliseconds(model: Model, widths: tuple[int, ...], *, verifying: bool = True, layout: str | None = None,
+def forward_milliseconds(model: Model, widths: tuple[int, ...], *, verifying: bool = True,
                          remeasure: bool = False) -> dict[int, float]:
     """Milliseconds of one `model` forward at batch 1 for each width, from the cache file or measured now.
 
-    `verifying`: time the forward as verification runs it, with its head in `layout` (jaxspec/head.py; None: the
-    model's own), else as a drafting assistant runs it (its own head)."""
-    prefix = _key_prefix(model, verifying, layout)
+    `verifying`: time the forward as verification runs it (with the CPU verify head of jaxspec/head.py where the
+    loop uses one), else as a drafting assistant runs it (its own head)."""
+    prefix = _key_prefix(model, verifying)
     keys = {w: f"{prefix}|{w}" for w in widths}
     stored = {} if remeasure else _read_cache()
     missing = [w for w in widths if keys[w] not in stored]
     if missing:
         # Rounded as stored, so this call prices the schedule exactly as later ones that read the file (the same
         # costs, the same compiled loop).
-        measured = {keys[w]: round(ms, 4) for w, ms in _measure(model, tuple(missing), verifying, layout).items()}
+        measured = {keys[w]: round(ms, 4) for w, ms in _measure(model, tuple(missing), verifying).items()}
         _write_cache(measured)
         stored = stored | measured
     return {w: float(stored[keys[w]]) for w in widths}
 
 
-def choose_verify_layout(drafter, target: Model) -> str | None:
-    """The layout of the head the target verifies with (jaxspec/head.py): where the adaptive schedule is priced by
-    measured costs and the layout matters (a float head on CPU), the one whose two-token verify block is cheaper,
-    a copy only when it wins by `COPY_MARGIN`; elsewhere `head.default_layout`."""
-    if not _priced_by_measurement(drafter, (target,)) or not layout_matters(target):
-        return default_layout(target)
-    remeasure = mode() == "remeasure"
-    block = {layout: forward_milliseconds(target, (2,), layout=layout, remeasure=remeasure)[2] for layout in LAYOUTS}
-    own = own_layout(target)
-    other = next(layout for layout in LAYOUTS if layout != own)
-    return other if block[other] < (1 - COPY_MARGIN) * block[own] else own
-
-
-def price_schedule(drafter, target: Model, assistant: Model | None, layout: str | None = None):
-    """`drafter` with its adaptive schedule priced by measured step costs: each verify width's forward (with the
-    head in `layout`, as `choose_verify_layout` chose) over a plain step's, and, for an assistant that drafts one
-    token per forward, its forward over the target's. Drafters whose drafts are part of the target's own network
-    (early exit, MTP) keep their draft cost, a share of the target's weights; copied drafts (prompt lookup) cost
-    nothing. Unchanged where the schedule is not adaptive, where `JAXSPEC_STEP_COSTS=default`, and for sharded or
-    multi-process runs."""
-    models = (target,) if assistant is None else (target, assistant)
-    if not _priced_by_measurement(drafter, models):
+def price_schedule(drafter, target: Model, assistant: Model | None):
+    """`drafter` with its adaptive schedule priced by measured step costs: each verify width's forward over a plain
+    step's, and, for an assistant that drafts one token per forward, its forward over the target's. Drafters whose
+    drafts are part of the target's own network (early exit, MTP) keep their draft cost, a share of the target's
+    weights; copied drafts (prompt lookup) cost nothing. Unchanged where the schedule is not adaptive, where
+    `JAXSPEC_STEP_COSTS=default`, and for sharded or multi-process runs."""
+    schedule = getattr(drafter, "schedule", None)
+    if schedule is None or schedule.kind != "adaptive" or not schedule.widths:
         return drafter
-    schedule = drafter.schedule
-    remeasure = mode() == "remeasure"
+    chosen = mode()
+    models = (target,) if assistant is None else (target, assistant)
+    if chosen == "default" or not measurable(*models):
+        return drafter
+    remeasure = chosen == "remeasure"
     measured = tuple(sorted({1, 2, max(schedule.widths)}))  # widths always hold 1 and K + 1 >= 2
-    target_ms = forward_milliseconds(target, measured, layout=layout, remeasure=remeasure)
+    target_ms = forward_milliseconds(target, measured, remeasure=remeasure)
     verify_costs = tuple(round(interpolate(target_ms, w) / target_ms[1], 2) for w in schedule.widths)
     draft_cost = schedule.draft_cost
     if isinstance(drafter, (DraftModelDrafter, UniversalDrafter)) and assistant is not target:
@@ -123,14 +110,6 @@ def price_schedule(drafter, target: Model, assistant: Model | None, layout: str 
         draft_cost = round(assistant_ms / target_ms[1], 3)
     priced = dataclasses.replace(schedule, verify_costs=verify_costs, draft_cost=draft_cost)
     return dataclasses.replace(drafter, schedule=priced)
-
-
-def _priced_by_measurement(drafter, models: tuple[Model, ...]) -> bool:
-    """An adaptive schedule, `JAXSPEC_STEP_COSTS` other than `default`, and models timing can speak for."""
-    schedule = getattr(drafter, "schedule", None)
-    if schedule is None or schedule.kind != "adaptive" or not schedule.widths:
-        return False
-    return mode() != "default" and measurable(*models)
 
 
 def interpolate(milliseconds: dict[int, float], width: int) -> float:
@@ -146,7 +125,7 @@ def interpolate(milliseconds: dict[int, float], width: int) -> float:
     return (1 - share) * milliseconds[below] + share * milliseconds[above]
 
 
-def _key_prefix(model: Model, verifying: bool, layout: str | None = None) -> str:
+def _key_prefix(model: Model, verifying: bool) -> str:
     """Machine, backend, architecture (config and parameter shapes, not values), the model code and head layout; a
     width follows."""
     state = nnx.state(model.module, nnx.Param)
@@ -156,7 +135,7 @@ def _key_prefix(model: Model, verifying: bool, layout: str | None = None) -> str
     code = _source_hash(os.path.dirname(inspect.getfile(type(model.module))))
     device = jax.devices()[0]
     machine = f"{platform.node()}/{platform.machine()}/{os.cpu_count()}"
-    head = f"verify-{layout or 'own'}" if verifying else "draft"
+    head = "verify" if verifying else "draft"
     return f"{machine}|{device.platform}:{device.device_kind}|{jax.__version__}|{architecture}|{code}|{head}"
 
 
@@ -172,28 +151,26 @@ def _source_hash(folder: str) -> str:
     return digest.hexdigest()[:12]
 
 
-def _measure(model: Model, widths: tuple[int, ...], verifying: bool, layout: str | None) -> dict[int, float]:
-    heads = verify_heads(model, nnx.split(model.module)[1], None, layout) if verifying else None
-    return time_forwards(model, widths, heads)
+def _measure(model: Model, widths: tuple[int, ...], verifying: bool) -> dict[int, float]:
+    head = verify_head(model, nnx.split(model.module)[1], None) if verifying else None
+    return time_forwards(model, widths, head)
 
 
-def time_forwards(model: Model, widths: tuple[int, ...], heads=None, steps: int = STEPS, runs: int = RUNS,
+def time_forwards(model: Model, widths: tuple[int, ...], head=None, steps: int = STEPS, runs: int = RUNS,
                   cache_size: int = CACHE_SIZE) -> dict[int, float]:
-    """Milliseconds per forward of `model` at batch 1 for each width, with `heads` (what `head.verify_heads`
-    returns; None: the model's own): the best of `runs` timed runs of one compiled loop of `steps` forwards that writes a
-    `cache_size` cache in place from position START_POSITION on, as decoding does (the cache is donated). Timing
-    single calls instead would add a copy of the whole cache and a dispatch to every width, which hides most of the
-    difference between widths."""
+    """Milliseconds per forward of `model` at batch 1 for each width, with `head` ([D, V], or None: the model's own):
+    the best of `runs` timed runs of one compiled loop of `steps` forwards that writes a `cache_size` cache in place
+    from position START_POSITION on, as decoding does (the cache is donated). Timing single calls instead would add
+    a copy of the whole cache and a dispatch to every width, which hides most of the difference between widths."""
     graphdef, state = nnx.split(model.module)
 
-    def loop(state, heads, cache, width: int):
+    def loop(state, head, cache, width: int):
         module = nnx.merge(graphdef, state)
 
         def step(i, carry):
             cache, checksum = carry
             tokens = jnp.ones((1, width), jnp.int32)
             positions = START_POSITION + i * width + jnp.arange(width)[None]  # [1, W]
-            head = as_columns(heads[0] if width == 1 else heads[1]) if heads is not None else None
             logits, _, cache = module(tokens, positions, cache, head=head)
             return cache, checksum + logits[0, 0, 0]  # a result that depends on every step
 
@@ -202,12 +179,12 @@ def time_forwards(model: Model, widths: tuple[int, ...], heads=None, steps: int 
     run = jax.jit(loop, static_argnums=3, donate_argnums=2)
     milliseconds = {}
     for width in widths:
-        cache, checksum = run(state, heads, model.module.init_cache(1, cache_size), width)  # compiles
+        cache, checksum = run(state, head, model.module.init_cache(1, cache_size), width)  # compiles
         jax.block_until_ready(checksum)
         best = float("inf")
         for _ in range(runs):
             start = time.perf_counter()
-            cache, checksum = run(state, heads, cache, width)
+            cache, checksum = run(state, head, cache, width)
             jax.block_until_ready(checksum)
             best = min(best, (time.perf_counter() - start) / steps)
         milliseconds[width] = best * 1e3

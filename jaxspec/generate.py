@@ -27,8 +27,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from . import distributed, inplace, settings as settings_lib
-from .costs import choose_verify_layout, price_schedule
-from .head import as_columns, default_layout, verify_heads
+from .costs import price_schedule
+from .head import verify_head
 from .loading import Model
 from .sampling import select
 from .settings import Settings
@@ -245,10 +245,8 @@ def run_drafter(
     control.check_batch(len(prompts))
     _check_budget(model, prompts, settings.max_new_tokens)
     setup = time.perf_counter()
-    layout = default_layout(model)
-    if mesh is None:  # a sharded run keeps the fixed costs and the default head layout (jaxspec/costs.py)
-        layout = choose_verify_layout(drafter, model)
-        drafter = price_schedule(drafter, model, assistant, layout)
+    if mesh is None:  # a sharded run keeps the fixed costs (jaxspec/costs.py)
+        drafter = price_schedule(drafter, model, assistant)
     setup_seconds = time.perf_counter() - setup  # measuring step costs compiles too: counted with the compiles
     rules = sharding_rules or ShardingRules()
     chunk = prefill_chunk or default_prefill_chunk()
@@ -270,7 +268,7 @@ def run_drafter(
                     ensemble_weight, chunk, mesh, rules, bool(return_logits))
     # Run-time inputs: new values reuse the executables.
     inputs = jax.tree.map(jnp.asarray, (settings.processing(model.config.vocab_size), drafter.runtime_inputs()))
-    inputs = (*inputs, verify_heads(model, target_state, mesh, layout))
+    inputs = (*inputs, verify_head(model, target_state, mesh))
     prefill_args = (
         target_state,
         assistant_state,
@@ -600,10 +598,9 @@ def _given_layout(input_ids, prompts, pad_id) -> np.ndarray:
 def _context(spec: LoopSpec, target_state, assistant_state, inputs) -> Context:
     target = nnx.merge(spec.target_graphdef, target_state)
     assistant = nnx.merge(spec.assistant_graphdef, assistant_state) if spec.assistant_graphdef else None
-    processing, draft_inputs, (head_one, head) = inputs
+    processing, draft_inputs, head = inputs
     return Context(target=target, assistant=assistant, processing=processing, do_sample=spec.do_sample,
-                   ngram_slots=spec.ngram_slots, draft_inputs=draft_inputs, head=as_columns(head),
-                   head_one=as_columns(head_one))
+                   ngram_slots=spec.ngram_slots, draft_inputs=draft_inputs, head=head)
 
 
 def _prefill(spec: LoopSpec, target_state, assistant_state, tokens, prompt_lengths, max_new_tokens, rng,
@@ -637,7 +634,7 @@ def _prefill(spec: LoopSpec, target_state, assistant_state, tokens, prompt_lengt
     chunks = (jnp.max(prompt_lengths) + chunk - 1) // chunk
     last_hidden = jnp.zeros((batch, target.cfg.hidden_size), target.dtype)
     cache, drafter_state, last_hidden = jax.lax.fori_loop(0, chunks, read_chunk, (cache, drafter_state, last_hidden))
-    logits = target.logits(last_hidden, ctx.head_for(1))[:, None]  # [B, 1, V]
+    logits = target.logits(last_hidden, ctx.head)[:, None]  # [B, 1, V]
     processed = ctx.process(logits, tokens, prompt_lengths, prompt_lengths)
     rng, first_rng = jax.random.split(rng)
     first = select(first_rng, processed[:, 0], spec.do_sample)  # [B]

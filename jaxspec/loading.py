@@ -29,7 +29,7 @@ class Model:
     tokenizer: Any | None = None
     generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     source: str = ""
-    # (head it was made from, (mesh, layout), copy): the CPU verify head of `jaxspec.head.verify_head`
+    # (embedding it was made from, mesh, [D, V] copy): the CPU verify head of `jaxspec.head.verify_head`
     head_cache: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property

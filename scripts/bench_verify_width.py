@@ -7,11 +7,10 @@ figures behind the adaptive schedule's verify costs (`jaxspec.strategies.base.de
 
 Per width, one jitted loop of `--steps` target forwards at batch 1 that writes a 512-position cache in place (as
 the decode loop does; the cache is donated), from position 200; best of 4 runs, printed as milliseconds per forward
-and as the ratio to width 1, side by side in one run. On CPU, where the head's layout matters (jaxspec/head.py), the
-head is timed in both layouts, [D, V] and [V, D]: one is the model's own, the other a contiguous copy, and
-`generate` verifies with the faster at width 2 (a copy must win by 3%). As in decoding, an untied model's [V, D]
-copy serves blocks of 2 and more only: its one-token row is the [D, V] head's. Timing single calls instead would
-add a copy of the whole cache and a dispatch to every width, which hides most of the difference. On a CPU the ratio shows what leaving the memory-bound matrix-vector path costs (the
+and as the ratio to width 1, side by side in one run. Where `generate` verifies with a contiguous copy of a tied
+head (on CPU: jaxspec/head.py), both heads are timed: the tied embedding read through a transpose, and the copy that
+decoding uses. Timing single calls instead would add a copy of the whole cache and a dispatch to every width, which
+hides most of the difference. On a CPU the ratio shows what leaving the memory-bound matrix-vector path costs (the
 LM head's matrix multiply at 2 rows costs about twice its 1-row product); on an accelerator it stays near 1.
 `--quantization int8` adds a column for the same model through `jaxspec.quantize` (int8 weights and activations:
 what an int8 assistant's forward costs, with the model's own head, as an assistant drafts), and its one-token forward
@@ -22,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-
-NAMES = {"dv": "[D, V]", "vd": "[V, D]"}  # jaxspec.head.COLUMNS, ROWS
 
 
 def main(argv=None) -> None:
@@ -39,14 +36,12 @@ def main(argv=None) -> None:
 
     import jaxspec
     from jaxspec.costs import time_forwards
-    from jaxspec.head import LAYOUTS, layout_matters, own_layout, verify_heads
+    from jaxspec.head import verify_head
 
     model = jaxspec.load(args.model)
-    state = nnx.split(model.module)[1]
-    heads = {"model's head": (model, None)}
-    if layout_matters(model):
-        heads = {f"{NAMES[layout]} {'own' if layout == own_layout(model) else 'copy'}":
-                 (model, verify_heads(model, state, None, layout)) for layout in LAYOUTS}
+    copy = verify_head(model, nnx.split(model.module)[1], None)  # None where generate verifies with the model's head
+    heads = {"model's head": (model, None)} if copy is None else {"tied view": (model, None),
+                                                                   "contiguous copy (generate)": (model, copy)}
     if args.quantization:
         heads[args.quantization] = (jaxspec.quantize(model, args.quantization), None)
     widths = tuple(sorted({1} | {int(w) for w in args.widths.split(",")}))

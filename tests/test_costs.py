@@ -9,9 +9,7 @@ import pytest
 
 import jaxspec
 from jaxspec import costs
-from jaxspec.head import COLUMNS, ROWS, HeadRows
 from jaxspec.strategies import choose_strategy
-from tests import hf_models
 
 
 @pytest.fixture
@@ -27,12 +25,6 @@ def pair(tiny_llama_dir, tiny_llama_draft_dir):
     return jaxspec.load(tiny_llama_dir), jaxspec.load(tiny_llama_draft_dir)
 
 
-@pytest.fixture(scope="module")
-def tied_pair(tmp_path_factory, tiny_llama_draft_dir):
-    folder = hf_models.save_tiny("llama", tmp_path_factory.mktemp("tied"), seed=3, tie_word_embeddings=True)
-    return jaxspec.load(folder), jaxspec.load(tiny_llama_draft_dir)
-
-
 def test_measured_costs_price_the_schedule_once_per_machine(measuring, pair, monkeypatch):
     target, assistant = pair
     choice = choose_strategy(target, do_sample=False, assistant_model=assistant, num_assistant_tokens=4)
@@ -40,7 +32,7 @@ def test_measured_costs_price_the_schedule_once_per_machine(measuring, pair, mon
     priced = costs.price_schedule(choice.drafter, target, choice.assistant)
 
     stored = json.loads((measuring / costs.CACHE_FILE).read_text())
-    verify = {int(key.rsplit("|", 1)[1]): ms for key, ms in stored.items() if "|verify-own|" in key}
+    verify = {int(key.rsplit("|", 1)[1]): ms for key, ms in stored.items() if "|verify|" in key}
     draft = [ms for key, ms in stored.items() if "|draft|" in key]
     assert sorted(verify) == [1, 2, 5] and len(draft) == 1  # width 4 is interpolated, not compiled
     schedule = priced.schedule
@@ -63,7 +55,7 @@ def test_remeasure_overwrites_and_widths_between_are_interpolated(measuring, pai
     costs.price_schedule(choice.drafter, target, choice.assistant)  # stored
     timed = {True: {1: 10.0, 2: 16.0, 5: 22.0}, False: {1: 4.0}}  # target (verifying), assistant (drafting)
     monkeypatch.setattr(costs, "time_forwards",
-                        lambda model, widths, heads=None: {w: timed[model is target][w] for w in widths})
+                        lambda model, widths, head=None: {w: timed[model is target][w] for w in widths})
     monkeypatch.setenv("JAXSPEC_STEP_COSTS", "remeasure")
     schedule = costs.price_schedule(choice.drafter, target, choice.assistant).schedule
     # Width 4 lies two thirds of the way from 2 to 5: 16 + (22 - 16) * 2 / 3 = 20 ms.
@@ -75,7 +67,7 @@ def test_remeasure_overwrites_and_widths_between_are_interpolated(measuring, pai
 
 def test_what_measurement_leaves_alone(measuring, pair, monkeypatch):
     target, assistant = pair
-    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, heads=None: {w: 10.0 + w for w in widths})
+    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, head=None: {w: 10.0 + w for w in widths})
     lookup = choose_strategy(target, do_sample=False, prompt_lookup_num_tokens=4).drafter
     priced = costs.price_schedule(lookup, target, None).schedule
     assert priced.draft_cost == 0.0 and priced.verify_costs == (1.0, 1.09, 1.27, 1.36)  # copied drafts cost nothing
@@ -103,46 +95,3 @@ def test_a_misspelt_mode_is_named_before_anything_compiles(measuring, pair, monk
     monkeypatch.setattr(costs, "time_forwards", lambda *args, **kwargs: pytest.fail("timed with a bad mode"))
     with pytest.raises(ValueError, match="JAXSPEC_STEP_COSTS='measured' is not one of measure, default"):
         jaxspec.generate(target, np.array([[5, 17, 29]], np.int32), max_new_tokens=4, assistant_model=assistant)
-
-
-def fake_timing(vocab_major_ms: float, columns_ms: float):
-    """time_forwards where a two-token block costs `vocab_major_ms` with a [V, D] head and `columns_ms` with a
-    [D, V] one; the model's own head is [V, D] when tied."""
-    def timing(model, widths, heads=None):
-        block = None if heads is None else heads[1]
-        rows = isinstance(block, HeadRows) or (block is None and model.config.tie_word_embeddings)
-        return {w: (vocab_major_ms if rows else columns_ms) * w / 2 for w in widths}
-    return timing
-
-
-@pytest.mark.parametrize("rows_ms, expected", [(90.0, ROWS), (98.0, COLUMNS), (110.0, COLUMNS)])
-def test_the_verify_head_layout_is_the_measured_faster_one(measuring, pair, monkeypatch, rows_ms, expected):
-    target, assistant = pair  # untied: its own head is [D, V]
-    monkeypatch.setattr(costs, "time_forwards", fake_timing(rows_ms, 100.0))
-    drafter = choose_strategy(target, do_sample=False, assistant_model=assistant, num_assistant_tokens=4).drafter
-    assert costs.choose_verify_layout(drafter, target) == expected  # a copy must win by COPY_MARGIN (3%)
-    stored = json.loads((measuring / costs.CACHE_FILE).read_text())
-    assert sorted(key.split("|")[-2] for key in stored) == ["verify-dv", "verify-vd"]  # width 2 of each, no more
-    priced = costs.price_schedule(drafter, target, assistant, expected).schedule
-    assert priced.verify_costs[1] == 2.0  # priced with the chosen layout's own figures
-
-
-def test_a_tied_head_keeps_its_layout_unless_the_copy_wins(measuring, tied_pair, monkeypatch):
-    target, assistant = tied_pair
-    drafter = choose_strategy(target, do_sample=False, assistant_model=assistant, num_assistant_tokens=4).drafter
-    monkeypatch.setattr(costs, "time_forwards", fake_timing(100.0, 99.0))
-    assert costs.choose_verify_layout(drafter, target) == ROWS  # 1% is not worth a second head
-    monkeypatch.setattr(costs, "time_forwards", fake_timing(100.0, 90.0))
-    monkeypatch.setenv("JAXSPEC_STEP_COSTS", "remeasure")
-    assert costs.choose_verify_layout(drafter, target) == COLUMNS
-
-
-def test_without_measurement_the_default_layout_holds(measuring, pair, monkeypatch):
-    target, assistant = pair
-    monkeypatch.setattr(costs, "time_forwards", lambda *args, **kwargs: pytest.fail("timed without a schedule"))
-    constant = choose_strategy(target, do_sample=False, assistant_model=assistant,
-                               num_assistant_tokens_schedule="constant").drafter
-    assert costs.choose_verify_layout(constant, target) == COLUMNS  # nothing adaptive to price
-    adaptive = choose_strategy(target, do_sample=False, assistant_model=assistant).drafter
-    monkeypatch.setenv("JAXSPEC_STEP_COSTS", "default")
-    assert costs.choose_verify_layout(adaptive, target) == COLUMNS

@@ -1,6 +1,5 @@
-"""The CPU verify head (jaxspec/head.py): a contiguous copy of the head in the other layout ([D, V] of a tied head,
-[V, D] of an untied one), made once per model, that every verifying forward uses; outputs stay transformers' and
-plain greedy's."""
+"""The CPU verify head (jaxspec/head.py): a contiguous [D, V] copy of a tied head, made once per model, that every
+verifying forward uses; outputs stay transformers' and plain greedy's."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import jaxspec
-from jaxspec import costs
-from jaxspec.head import COLUMNS, ROWS, HeadRows, verify_heads
+from jaxspec.head import verify_head
 from tests import hf_models
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5], [20, 21, 22, 23, 24, 25, 20, 21, 22]]
@@ -25,24 +23,16 @@ def tied(tmp_path_factory):
     return folder, jaxspec.load(folder)
 
 
-def test_the_copy_is_the_transposed_head_made_once(tied, tiny_llama_dir):
+def test_the_copy_is_the_transposed_embedding_made_once(tied, tiny_llama_dir):
     _, model = tied
     embed = model.module.embed[...]
     state = nnx.state(model.module)
-    assert verify_heads(model, state, None) == (None, None)  # no layout asked for: the model's own head
-    assert verify_heads(model, state, None, ROWS) == (None, None)  # a tied head is stored [V, D] already
-    one, block = verify_heads(model, state, None, COLUMNS)
-    assert one is block and block.shape == embed.shape[::-1]  # a [D, V] copy serves every width
-    np.testing.assert_array_equal(np.asarray(block), np.asarray(embed).T)
-    assert verify_heads(model, state, None, COLUMNS)[1] is block  # cached on the model
+    head = verify_head(model, state, None)
+    assert head.shape == embed.shape[::-1]
+    np.testing.assert_array_equal(np.asarray(head), np.asarray(embed).T)
+    assert verify_head(model, state, None) is head  # cached on the model
     untied = jaxspec.load(tiny_llama_dir)
-    state = nnx.state(untied.module)
-    assert verify_heads(untied, state, None, COLUMNS) == (None, None)  # an untied head is stored [D, V] already
-    one, block = verify_heads(untied, state, None, ROWS)
-    assert one is None and isinstance(block, HeadRows)  # one position keeps the [D, V] head it reads fastest
-    np.testing.assert_array_equal(np.asarray(block.rows), np.asarray(untied.module.lm_head[...]).T)
-    with pytest.raises(ValueError, match="layout 'dvd' is not one of"):
-        verify_heads(untied, state, None, "dvd")
+    assert verify_head(untied, nnx.state(untied.module), None) is None  # an untied head is stored [D, V] already
 
 
 def test_a_tied_model_decodes_as_transformers_does_and_uses_the_copy(tied):
@@ -55,7 +45,7 @@ def test_a_tied_model_decodes_as_transformers_does_and_uses_the_copy(tied):
                                                   max_new_tokens=32, do_sample=False).numpy()
     plain = jaxspec.generate(model, ids, mask, max_new_tokens=32)
     np.testing.assert_array_equal(plain.sequences, expected)
-    assert model.head_cache is not None  # the default layout on CPU: a [D, V] copy
+    assert model.head_cache is not None
     for strategy in (dict(prompt_lookup_num_tokens=4), dict(assistant_early_exit=2, num_assistant_tokens=3)):
         out = jaxspec.generate(model, ids, mask, max_new_tokens=32, **strategy)
         np.testing.assert_array_equal(out.sequences, expected)
@@ -68,21 +58,3 @@ def test_sharded_tied_model_equals_single_device(tied):
     single = jaxspec.generate(model, PROMPTS, max_new_tokens=16, prompt_lookup_num_tokens=3)
     sharded = jaxspec.generate(model, PROMPTS, max_new_tokens=16, prompt_lookup_num_tokens=3, mesh=mesh)
     np.testing.assert_array_equal(sharded.sequences, single.sequences)
-
-
-def test_an_untied_model_verifying_with_a_row_copy_decodes_as_transformers_does(tiny_llama_dir, tmp_path,
-                                                                                 monkeypatch):
-    """Where the measured costs say a [V, D] copy verifies faster, generate uses it, and nothing else changes."""
-    monkeypatch.setenv("JAXSPEC_STEP_COSTS", "measure")
-    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, heads=None: {
-        w: (8.0 if heads is not None and isinstance(heads[1], HeadRows) else 10.0) * (1 + w) for w in widths})
-    model = jaxspec.load(tiny_llama_dir)
-    width = max(map(len, PROMPTS))
-    ids = np.array([[0] * (width - len(p)) + p for p in PROMPTS])
-    mask = (np.arange(width)[None] >= width - np.array([len(p) for p in PROMPTS])[:, None]).astype(np.int64)
-    expected = hf_models.load_hf(tiny_llama_dir).generate(torch.tensor(ids), attention_mask=torch.tensor(mask),
-                                                          max_new_tokens=24, do_sample=False).numpy()
-    out = jaxspec.generate(model, ids, mask, max_new_tokens=24, prompt_lookup_num_tokens=4)
-    np.testing.assert_array_equal(out.sequences, expected)
-    assert isinstance(model.head_cache[2], HeadRows)

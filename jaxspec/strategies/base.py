@@ -114,14 +114,7 @@ class Context:
     do_sample: bool
     ngram_slots: int
     draft_inputs: dict[str, jax.Array]  # the drafter's run-time settings (`Drafter.runtime_inputs`)
-    # [D, V] the target's heads for verify blocks of 2+ positions and for one-position forwards, where they are not
-    # the model's own (on CPU: jaxspec/head.py)
-    head: jax.Array | None = None
-    head_one: jax.Array | None = None
-
-    def head_for(self, width: int) -> jax.Array | None:
-        """[D, V] head of a target forward over `width` (static) positions; None: the model's own."""
-        return self.head_one if width == 1 else self.head
+    head: jax.Array | None = None  # [D, V] the target's head for verifying forwards, on CPU (jaxspec/head.py)
 
     def process(self, logits: jax.Array, tokens: jax.Array, start: jax.Array, prompt_lengths: jax.Array) -> jax.Array:
         """Processed logits [B, W, V] for positions whose prefix is tokens[b, :start[b] + j]."""
@@ -305,7 +298,7 @@ class Drafter:
 
     def target_forward(self, ctx: Context, tokens, positions, cache, state):
         """The verifying forward: `(logits, hidden, cache)`. Early exit overrides it to reuse its layers."""
-        return ctx.target(tokens, positions, cache, head=ctx.head_for(tokens.shape[1]))
+        return ctx.target(tokens, positions, cache, head=ctx.head)
 
 
 def room_for_drafts(loop: DecodeState) -> jax.Array:

@@ -90,4 +90,4 @@ class EarlyExitDrafter(AutoregressiveDrafter):
         x = state.exit_hidden[:, : tokens.shape[1]]
         x, cache = target.run_layers(x, positions, cache, self.exit_layer, None)
         hidden = target.final_hidden(x)
-        return target.logits(hidden, ctx.head_for(tokens.shape[1])), hidden, cache
+        return target.logits(hidden, ctx.head), hidden, cache
