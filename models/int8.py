@@ -86,11 +86,11 @@ def project(spec: str, x: jax.Array, w, preferred_element_type=None) -> jax.Arra
         return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     x_axes, w_axes, out_axes = _parse(spec, x.ndim)
     contracted = [a for a in x_axes if a in w_axes and a not in out_axes]
-    x_contracted = tuple(x_axes.index(a) for a in contracted)
     if set(x_axes) & set(w_axes) - set(contracted):
         raise NotImplementedError(f"int8 products need specs without batch axes shared by both operands: {spec!r}")
 
-    x32 = x.astype(jnp.float32)
+    x32, x_axes, out_axes, unit_axis = _with_unit_axis(x.astype(jnp.float32), x_axes, w_axes, out_axes, contracted)
+    x_contracted = tuple(x_axes.index(a) for a in contracted)
     x_scale = jnp.max(jnp.abs(x32), axis=x_contracted, keepdims=True) / INT8_MAX  # per token
     x_scale = jnp.where(x_scale > 0, x_scale, 1.0)
     x_q = jnp.clip(jnp.round(x32 / x_scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
@@ -100,7 +100,24 @@ def project(spec: str, x: jax.Array, w, preferred_element_type=None) -> jax.Arra
         product = jax.lax.slice_in_dim(product, 0, 1, axis=out_axes.index(x_axes[pad_axis]))
     out = (product.astype(jnp.float32) * _to_output(x_scale, x_axes, contracted, out_axes)
            * _to_output(w.scale, w_axes, contracted, out_axes))
+    if unit_axis is not None:
+        out = jnp.squeeze(out, out_axes.index(unit_axis))
     return out.astype(preferred_element_type or x.dtype)
+
+
+def _with_unit_axis(x: jax.Array, x_axes: str, w_axes: str, out_axes: str, contracted: list[str]):
+    """On XLA:CPU, an input with a single free (not contracted) axis gets a leading unit axis.
+    -> (x, x_axes, out_axes, the added axis or None).
+
+    Against a weight read through a transpose (a tied int8 head: the [V, D] embedding read as [D, V]), XLA:CPU
+    lowers the s8 x s8 product of a [T, D] input by converting both operands to int32 and running a generic integer
+    dot, about 30 times slower than the int8 kernel it picks for the same product of a [1, T, D] input (SmolLM2-135M's
+    head at two rows: 39-43 against 1.3 ms, jitted, on the 2-core build machine). A catch-up computes its
+    assistant's logits from [B, D] hidden states, so an int8 assistant paid that on every drafting round."""
+    if jax.default_backend() != "cpu" or sum(a not in contracted for a in x_axes) != 1:
+        return x, x_axes, out_axes, None
+    unit = next(c for c in "abcdefghijklmnopqrstuvwxyz" if c not in x_axes + w_axes + out_axes)
+    return x[None], unit + x_axes, unit + out_axes, unit
 
 
 def _parse(spec: str, x_ndim: int) -> tuple[str, str, str]:

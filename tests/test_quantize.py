@@ -66,6 +66,19 @@ def test_a_tied_head_reads_the_embedding_rows_scale_per_token():
     np.testing.assert_allclose(np.asarray(I.lookup(table, ids, jnp.float32)), embed[[3, 39]][None], atol=0.02)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_tied_head_on_flat_hidden_states_keeps_the_int8_kernel(rows):
+    """[B, D] hidden states (a catch-up's last positions) against the int8 embedding read as [D, V]: the same values
+    as [B, 1, D], and on a CPU no int32 copy of the table, the lowering that made this product 30 times slower."""
+    rng = np.random.default_rng(2)
+    values, scale = I.quantize(jnp.asarray(rng.normal(size=(1024, 64)).astype(np.float32)), (1,))
+    table = I.Int8Weight(values, scale)
+    hidden = jnp.asarray(rng.normal(size=(rows, 64)).astype(np.float32))
+    head = jax.jit(lambda h, t: I.project("...d,dv->...v", h, t.T, preferred_element_type=jnp.float32))
+    np.testing.assert_array_equal(np.asarray(head(hidden, table)), np.asarray(head(hidden[:, None], table)[:, 0]))
+    if jax.default_backend() == "cpu":
+        assert "s32[1024,64]" not in head.lower(hidden, table).compile().as_text()
+
 def assert_close_to_float32(model, quantized, tokens):
     """A quantized model's logits track the float32 model's: an error of at most a fifth of their spread (RMS; about
     a tenth on these tiny models), and the same top token at most positions. A scale on the wrong axis or a dropped
