@@ -112,7 +112,7 @@ def _with_unit_axis(x: jax.Array, x_axes: str, w_axes: str, out_axes: str, contr
     Against a weight read through a transpose (a tied int8 head: the [V, D] embedding read as [D, V]), XLA:CPU
     lowers the s8 x s8 product of a [T, D] input by converting both operands to int32 and running a generic integer
     dot, about 30 times slower than the int8 kernel it picks for the same product of a [1, T, D] input (SmolLM2-135M's
-    head at two rows: 39-43 against 1.3 ms, jitted, on the 2-core build machine). A catch-up computes its
+    head at one or two rows, jitted, on the 2-core build machine: 39-43 ms against 1.1-1.3). A catch-up computes its
     assistant's logits from [B, D] hidden states, so an int8 assistant paid that on every drafting round."""
     if jax.default_backend() != "cpu" or sum(a not in contracted for a in x_axes) != 1:
         return x, x_axes, out_axes, None

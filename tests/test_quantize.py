@@ -79,6 +79,7 @@ def test_a_tied_head_on_flat_hidden_states_keeps_the_int8_kernel(rows):
     if jax.default_backend() == "cpu":
         assert "s32[1024,64]" not in head.lower(hidden, table).compile().as_text()
 
+
 def assert_close_to_float32(model, quantized, tokens):
     """A quantized model's logits track the float32 model's: an error of at most a fifth of their spread (RMS; about
     a tenth on these tiny models), and the same top token at most positions. A scale on the wrong axis or a dropped
