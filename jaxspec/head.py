@@ -2,15 +2,13 @@
 
 A tied head is the embedding read as [D, V] through a transpose of its [V, D] array. XLA folds that transpose into
 the product, and at one position the product costs the same either way. At the 2-8 positions of a verify block,
-XLA:CPU is slower on the folded [V, D] operand than on a contiguous [D, V] array: on SmolLM2-135M (49,152 x 576,
-float32, batch 1) a two-token verify block cost 1.21 plain steps with the folded operand and 1.14 with a copy, and
-an eight-token one 1.56 against 1.45 (`python scripts/bench_verify_width.py` times both).
+XLA:CPU is slower on the folded [V, D] operand than on a contiguous [D, V] array.
 
 So on CPU, `generate` hands the loop a contiguous [D, V] copy of a tied head (`verify_head`) and the target's
-verifying forwards use it (`Context.head`). The copy costs a second embedding's memory for as long as the model
-lives (113 MB for SmolLM2-135M, 671 MB for Gemma 3 270M, in float32) and one transpose when it is first made (36 ms
-for SmolLM2), so it is made once per model and kept. Accelerators choose their own layouts and get no copy; neither
-do untied heads, which are stored [D, V] already.
+verifying forwards use it (`Context.head`). The copy costs a second embedding's memory (V * D params) for as long as
+the model lives and one transpose when it is first made, so it is made once per model and kept. Accelerators choose
+their own layouts and get no copy; neither do untied heads, which are stored [D, V] already (see docs/design.md,
+'Verify widths and the CPU head copy').
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 `lax.cond` and `lax.switch` return a fresh buffer for every output. When a branch writes a few positions of a cache
 and returns it, and the cache is also carried by the decode loop, XLA's copy insertion copies the whole cache (on
-the way in, on the way out, or both), every round: on SmolLM2 with a 256-position buffer that was two 6 MB copies
-per round, about 5% of a decoding step, paid even by rounds that draft nothing. A `lax.while_loop` carry, in
-contrast, is updated in place. So a branch here runs as a while loop that takes zero or one trip: each branch's
-loop runs only when the index selects it, and the state it updates stays in the same buffer throughout.
+the way in, on the way out, or both), every round, paid even by rounds that draft nothing (see docs/design.md,
+'In-place branches'). A `lax.while_loop` carry, in contrast, is updated in place. So a branch here runs as a while
+loop that takes zero or one trip: each branch's loop runs only when the index selects it, and the state it updates
+stays in the same buffer throughout.
 
 Branches are `state -> (state, out)`: `state` (the caches, and whatever else is updated) keeps its structure and
 shapes; `out` is whatever else the branch returns, the same structure and shapes for every branch.

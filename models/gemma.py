@@ -28,8 +28,8 @@ The cache (`GemmaCache`) holds one position-indexed stack per attention type, wi
 compute their own keys and values: Gemma 4's last `num_kv_shared_layers` layers attend to the entries of the last
 earlier layer of their own type (its "store" layer) and have no k/v projections.
 
-For the Gemma 4 MTP drafter (HF `Gemma4AssistantForCausalLM`, transformers-assisted-decoding.md §6), what it reads
-from the target is available here:
+For the Gemma 4 MTP drafter (HF `Gemma4AssistantForCausalLM`, driven by `SinglePositionMultiTokenCandidateGenerator`
+in transformers/generation/candidate_generator.py), what it reads from the target is available here:
 - the shared KV states of each attention type: `module.shared_kv(cache, "sliding_attention" | "full_attention")`
   gives `(k, v)`, each `[B, S, kv_heads, head_dim]`, the target cache of `cfg.kv_store_layer(type)`. They are
   position-indexed (entry p holds position p, already k-normed, v-normed and rotated), valid below each row's

@@ -12,10 +12,13 @@ where `token` is the row's last committed token (position L-1), `hidden` the tar
 L-2 for the first draft, then the previous step's `post_projection` output. Every step of a round queries from the
 same position L-1 (HF's constant `position_ids`), with the drafter's own rope per layer type.
 
-Keys the query sees (`visible_keys`): every target entry before the query position on full-attention layers, and
-the last `sliding_window + 1` entries before it on sliding layers. That is the window HF's flipped bidirectional
-sliding mask gives over a shared tensor that reaches L-2 (checked in transformers-experiments/_g4mask2.py); the
-target's own sliding layers see `sliding_window` keys ending at the query. No softcap on the drafter's logits.
+Keys the query sees (`key_window`): every target entry before the query position on full-attention layers, and
+the last `sliding_window + 1` entries before it on sliding layers. That is the window HF's mask gives over a shared
+tensor that reaches L-2: `create_attention_masks` (transformers/models/gemma4_assistant/modeling_gemma4_assistant.py)
+builds a bidirectional sliding mask for the single query at index 0, which keeps kv entries with
+|q - kv| <= sliding_window (the first `sliding_window + 1`), then flips it on the kv axis, so the last
+`sliding_window + 1` stay visible. The target's own sliding layers see `sliding_window` keys ending at the query. No
+softcap on the drafter's logits.
 
 The centroid head (`use_ordered_embeddings`): the top `centroid_intermediate_top_k` of `num_centroids` clusters
 choose which vocabulary rows get a real logit (`token_ordering` lists each cluster's tokens); every other token gets

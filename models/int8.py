@@ -3,11 +3,8 @@
 A quantized weight keeps int8 values and one float32 scale per output channel (its symmetric absmax over the
 contracted axes, over 127). A product quantizes its input the same way per token, multiplies int8 by int8 into
 int32, and rescales by both scales. Each matmul of a decoding step then reads a quarter of its float32 bytes and
-multiplies integers, which is what makes a small assistant cheaper per draft: on this project's 2-core CPU a
-one-token SmolLM2-135M forward cost 0.59 of its float32 one, and an 8-token block 0.40 (`python
-scripts/bench_verify_width.py --model smollm2-135m --quantization int8 --widths 1,2,8`: 24.2 / 25.7 / 30.3 ms at
-widths 1 / 2 / 8 against 41.1 / 51.1 / 75.7). A drafter's errors cost acceptance, never correctness: the target
-verifies every draft.
+multiplies integers, which is what makes a small assistant cheaper per draft (see docs/design.md, 'int8
+assistants'). A drafter's errors cost acceptance, never correctness: the target verifies every draft.
 
 Names: `project(spec, x, w)` is `jnp.einsum(spec, x, w)` for a plain array and the W8A8 product for an
 `Int8Weight`, so model code has one call for both. Specs contract the trailing axes of `x` with leading or trailing
@@ -111,9 +108,9 @@ def _with_unit_axis(x: jax.Array, x_axes: str, w_axes: str, out_axes: str, contr
 
     Against a weight read through a transpose (a tied int8 head: the [V, D] embedding read as [D, V]), XLA:CPU
     lowers the s8 x s8 product of a [T, D] input by converting both operands to int32 and running a generic integer
-    dot, about 30 times slower than the int8 kernel it picks for the same product of a [1, T, D] input (SmolLM2-135M's
-    head at one or two rows, jitted, on the 2-core build machine: 39-43 ms against 1.1-1.3). A catch-up computes its
-    assistant's logits from [B, D] hidden states, so an int8 assistant paid that on every drafting round."""
+    dot, many times slower than the int8 kernel it picks for the same product of a [1, T, D] input. A catch-up
+    computes its assistant's logits from [B, D] hidden states, so without the unit axis an int8 assistant would pay
+    that on every drafting round (see docs/design.md, 'int8 assistants')."""
     if jax.default_backend() != "cpu" or sum(a not in contracted for a in x_axes) != 1:
         return x, x_axes, out_axes, None
     unit = next(c for c in "abcdefghijklmnopqrstuvwxyz" if c not in x_axes + w_axes + out_axes)

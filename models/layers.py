@@ -1,6 +1,8 @@
-"""Building blocks shared by the model families: RMSNorm, rotary embeddings, cached attention, gated MLP.
+"""Building blocks shared by the model families: RMSNorm, rotary embeddings, cached attention, gated MLP, and the
+config.json readers several families share (rope parameters, MTP depth).
 
-Everything here is a pure function of arrays. Modules in the family files own the parameters and call these.
+Everything here is a pure function of arrays or of a config dict. Modules in the family files own the parameters
+and call these.
 Dimension letters: B batch, T query length, S cache length, D model width, H query heads, K kv heads
 (in this file only), G = H // K query heads per kv head, Dh head width, F MLP width, V vocabulary.
 """
@@ -21,6 +23,20 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * normed.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config readers that several families share (see also `rope_parameters`)
+
+
+def num_mtp_layers(hf: dict[str, Any]) -> int:
+    """MTP depth from config.json, read alike by every family with MTP layers (Llama/Qwen2 and the MoE families).
+    HF's config classes default to 1 when the key is absent, but a checkpoint without the key has no MTP tensors to
+    load, so jaxspec reads an absent key as 0."""
+    value = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0))
+    if value is None or value < 0:
+        raise ValueError(f"num_nextn_predict_layers={value!r} must be a non-negative integer.")
+    return int(value)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -86,14 +102,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attentio
 #
 # A cache is sized for the prompt bucket plus the whole budget, and decoding starts near its beginning: at a
 # 4096-entry cache and a 200-token context, attention over every entry reads twenty times the keys and values it
-# needs, and on SmolLM2-135M (CPU) that made a forward 2.0 times as long as over the live prefix
-# (`python scripts/bench_live_keys.py`). `attend_live` runs the attention over the shortest static prefix of the
-# cache that holds every query's keys (`key_extents`), chosen at run time, so a step costs what its context needs,
-# not what its budget reserved. Keys past a query's position are masked either way: the result is the same
-# attention. The choice is a branch per layer, which costs something of its own (on XLA:CPU, Qwen2.5-Coder-0.5B's
-# forward over a 256- or 1024-entry cache was 16% or 9% slower with prefixes from 128 entries: the script above with
-# `--caches 256,1024 --prefix-from 256 --min-extent 128`), so caches shorter than PREFIX_FROM entries are read
-# whole, and compile only the one attention they always did.
+# needs. `attend_live` runs the attention over the shortest static prefix of the cache that holds every query's keys
+# (`key_extents`), chosen at run time, so a step costs what its context needs, not what its budget reserved. Keys
+# past a query's position are masked either way: the result is the same attention. The choice is a branch per
+# layer, which costs something of its own on short caches, so caches shorter than PREFIX_FROM entries are read
+# whole, and compile only the one attention they always did (see docs/design.md, 'Live-prefix attention').
 
 PREFIX_FROM = 2048  # caches of at least this many entries choose a prefix
 MIN_KEY_EXTENT = 512  # their shortest prefix

@@ -18,7 +18,6 @@ from jaxspec.cache import KVCache, init_kv_cache
 
 from . import int8 as I
 from . import layers as L
-from .moe import num_mtp_layers
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -79,7 +78,7 @@ class LlamaConfig:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         attention_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
-        mtp_layers, draft_vocab_size = num_mtp_layers(hf), int(hf.get("draft_vocab_size") or 0)
+        mtp_layers, draft_vocab_size = L.num_mtp_layers(hf), int(hf.get("draft_vocab_size") or 0)
         if draft_vocab_size and not (mtp_layers and 0 < draft_vocab_size <= hf["vocab_size"]):
             raise ValueError(
                 f"draft_vocab_size={draft_vocab_size} restricts the head of MTP drafts, so it needs "
@@ -230,8 +229,8 @@ class LlamaForCausalLM(nnx.Module):
     `hidden` is the final-normed last hidden state (what an LM head or an MTP layer reads).
 
     Each layer keeps its own arrays and the layer loop is unrolled. Decoding is memory-bound, and XLA:CPU feeds a
-    matmul from a slice of stacked weights (`lax.scan` over a layer axis) by copying that slice first: measured on
-    a 24-layer stack of 1024x4096 matrices, the scan moved 13-14 GB/s and separate arrays 36 GB/s.
+    matmul from a slice of stacked weights (`lax.scan` over a layer axis) by copying that slice first, so a scan
+    reads every weight more than once per step (see docs/design.md, 'Architecture and the one loop').
     """
 
     def __init__(self, cfg: LlamaConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs | None = None):

@@ -155,15 +155,6 @@ def rope_from_hf(hf: dict[str, Any], rope: dict[str, Any], head_dim: int) -> Rop
     )
 
 
-def num_mtp_layers(hf: dict[str, Any]) -> int:
-    """MTP depth from config.json. HF's config classes default to 1 when the key is absent, but a checkpoint
-    without the key has no MTP tensors to load, so jaxspec reads an absent key as 0."""
-    value = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0))
-    if value is None or value < 0:
-        raise ValueError(f"num_nextn_predict_layers={value!r} must be a non-negative integer.")
-    return int(value)
-
-
 def common_fields(hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """Config fields both families read the same way; raise on what neither implements."""
     act = hf.get("hidden_act", "silu")
@@ -189,7 +180,7 @@ def common_fields(hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any
         max_position_embeddings=hf.get("max_position_embeddings", defaults["max_position_embeddings"]),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         moe=MoeConfig.from_hf_config(hf, defaults),
-        num_mtp_layers=num_mtp_layers(hf),
+        num_mtp_layers=L.num_mtp_layers(hf),
         bos_token_id=hf.get("bos_token_id", defaults.get("bos_token_id")),
         eos_token_id=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         pad_token_id=hf.get("pad_token_id"),
@@ -555,7 +546,7 @@ class MoeCausalLM(nnx.Module):
         attn_names = [*self.attention_shapes(), "attn_norm", "mlp_norm"]
         ffn_names = [n for n in (MOE_FFN if moe else DENSE_FFN) if hasattr(self, n)]
         # Index the full stacks inside the scan instead of slicing [start:stop] first: a slice would copy those
-        # layers' weights on every call (see LlamaForCausalLM.run_layers).
+        # layers' weights on every call (see LlamaForCausalLM).
         attn = {n: getattr(self, n)[...] for n in attn_names}
         ffn = {n: getattr(self, n)[...] for n in ffn_names}
 

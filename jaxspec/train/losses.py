@@ -91,9 +91,9 @@ def draft_tokens(module, tokens: jax.Array, hidden: jax.Array, depths: int) -> j
 
 def greedy_draft(module, out: jax.Array) -> jax.Array:
     """[..., D] -> [...]: the argmax of `draft_logits`, the token greedy decoding drafts. With a draft vocabulary it
-    is taken over the V' logits and mapped to its id, without scattering them into a [..., V] array (at
-    [B, T, V] that scatter made a held-out evaluation 2.8x slower). jaxspec.train's draft vocabularies are sorted
-    ids, so a tie goes to the smaller id here as there."""
+    is taken over the V' logits and mapped to its id, without scattering them into a [..., V] array (at [B, T, V]
+    that scatter costs more than the evaluation it serves; see docs/design.md, 'MTP layers and training').
+    jaxspec.train's draft vocabularies are sorted ids, so a tie goes to the smaller id here as there."""
     if getattr(module.cfg, "draft_vocab_size", 0):
         return module.draft_vocab[...][jnp.argmax(module.draft_vocab_logits(out), axis=-1)]
     return jnp.argmax(module.logits(out), axis=-1)

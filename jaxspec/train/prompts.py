@@ -118,10 +118,9 @@ HELDOUT_QUESTIONS = [
 ]
 
 
-# Free text. Chat models are mostly asked for prose, and prose is where MTP layers trained on code draft worst: the
-# first shipped SmolLM2 layers, trained on answers almost all about code, accepted 0.285 on scripts/bench_mtp.py's
-# prompts; with half of the prompts written as below, 0.471 (1,536 prompts) and 0.483 (2,560). Each family crosses
-# two word lists; held-out lists share no entry with training ones.
+# Free text. Chat models are mostly asked for prose, and prose is where MTP layers trained on code draft worst, so
+# about half of the training prompts are written as below (see docs/design.md, 'MTP layers and training'). Each
+# family crosses two word lists; held-out lists share no entry with training ones.
 TRAIN_CHARACTERS = [
     "a young baker", "an old fisherman", "a curious cat", "a retired astronaut", "a shy librarian",
     "a street musician", "a lost dog", "a farmer", "a little girl", "a tired nurse", "a clockmaker", "a dragon",

@@ -1,0 +1,148 @@
+"""The model interface drafters use, declared as Protocols.
+
+Every family module that `jaxspec.registry` builds implements `CausalLM`; families with MTP layers also implement
+`MtpModel`; a Llama/Qwen2 with a draft vocabulary implements `DraftVocabModel`; a Gemma target implements
+`SharedKvModel` (what the Gemma 4 drafter reads); the Gemma 4 drafter itself is a `DrafterModel`, which has no
+cache and is not a `CausalLM`. The core never imports `models/`: these Protocols are the only place the surface is
+written down, and `tests/models/test_model_interface.py` checks each family against them, parameter names included.
+
+Dimension letters: B batch, T query length, S cache length, D model width, V vocabulary (V' a draft vocabulary).
+A cache is the family's own pytree (`KVCache`, `MLACache` for DeepSeek-V3's latent attention, `GemmaCache`): one
+position-indexed entry per layer, so writing at `positions` and rolling back by a length works the same for all.
+
+`runtime_checkable` isinstance checks only that the members exist; the test checks the signatures.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+Cache = Any  # KVCache | MLACache | GemmaCache: the family's position-indexed cache pytree
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder every strategy can run as target or assistant: whole forwards, or pieces of one.
+
+    `model(tokens, positions, cache)` equals `logits(final_hidden(run_layers(embed_tokens(tokens), ...)))`, so a
+    drafter may run part of the network (early exit: layers [0, E) to draft, [E, L) to verify) and stay exact.
+    """
+
+    cfg: Any  # the family's frozen config (reads: vocab_size, hidden_size, num_layers, tie_word_embeddings, ...)
+    dtype: Any  # the param and activation dtype (float32 on CPU, bfloat16 on accelerators)
+    embed: Any  # nnx.Param [V, D], the token embedding (jaxspec/head.py copies it as the tied head [D, V])
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache,
+                 head: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Cache]:
+        """tokens [B, T] int32, positions [B, T] int32 -> logits [B, T, V] float32, hidden [B, T, D], cache.
+
+        `hidden` is the final-normed last hidden state (what an LM head or an MTP layer reads). Entries are written
+        to the cache at `positions`; attention sees each row's entries at positions <= the query's. `head`: a [D, V]
+        head to use instead of the model's own (`jaxspec.head.verify_head`)."""
+        ...
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] int32 -> the input of `run_layers` from layer 0, [B, T, D] (a Gemma 4 with per-layer
+        inputs packs them after the embedding: [B, T, D + L * P]; see models/gemma.py)."""
+        ...
+
+    def run_layers(self, x: jax.Array, positions: jax.Array, cache: Cache, start: int = 0,
+                   stop: int | None = None) -> tuple[jax.Array, Cache]:
+        """Decoder layers [start, stop) (stop None: to the last): x [B, T, D], positions [B, T] -> x [B, T, D], cache
+        with those layers' entries written at `positions`. Not final-normed."""
+        ...
+
+    def final_hidden(self, x: jax.Array) -> jax.Array:
+        """The final norm: [B, T, D] -> [B, T, D]."""
+        ...
+
+    def logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
+        """LM head over final-normed hidden states: [..., D] -> [..., V] float32 (soft-capped where the family
+        caps). `head`: a [D, V] head to use instead of the model's own."""
+        ...
+
+    def init_cache(self, batch: int, size: int) -> Cache:
+        """An empty cache for B = `batch` rows of S = `size` positions (S = max_len + K + 1 in the decode loop)."""
+        ...
+
+
+@runtime_checkable
+class MtpModel(CausalLM, Protocol):
+    """A `CausalLM` that can carry DeepSeek-style MTP layers (Llama/Qwen2, DeepSeek-V3, GLM-4.5); the MTP strategy
+    and `jaxspec.train` drive them. `num_mtp_layers` may be 0 (config.json without `num_nextn_predict_layers`)."""
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """How many MTP layers the checkpoint has."""
+        ...
+
+    def init_mtp_cache(self, batch: int, size: int, depths: int | None = None) -> Cache:
+        """One position-indexed cache per MTP depth, stacked on the leading axis: `depths` (default: one per layer)
+        of B = `batch` rows and S = `size` positions. Raises when the model has no MTP layers."""
+        ...
+
+    def mtp_step(self, depth: int, tokens: jax.Array, prev_hidden: jax.Array, positions: jax.Array,
+                 mtp_cache: Cache, layer: int | None = None) -> tuple[jax.Array, jax.Array, Cache]:
+        """One MTP depth over T entries: tokens [B, T] int32, prev_hidden [B, T, D], positions [B, T]
+        -> normed_out [B, T, D], logits [B, T, V] float32, mtp_cache.
+
+        Entry j embeds `tokens[:, j]` at position i = `positions[:, j]` and reads `prev_hidden[:, j]`, the state at
+        i-1 (depth 0: the main model's final-normed hidden; depth k: depth k-1's `normed_out`); its logits predict
+        the token at i+1. `layer` (default `depth`) picks the weights, so depths past the last layer reuse it."""
+        ...
+
+
+@runtime_checkable
+class DraftVocabModel(MtpModel, Protocol):
+    """An `MtpModel` whose drafts come from a head over V' <= V token ids (Llama/Qwen2 with `cfg.draft_vocab_size > 0`;
+    only such a module has `draft_vocab`, so only it passes isinstance)."""
+
+    draft_vocab: Any  # [V'] int32 token ids MTP drafts may propose
+
+    def draft_head(self) -> jax.Array:
+        """[V', D]: the head's rows for the draft vocabulary (gathered once per call, not per draft step)."""
+        ...
+
+    def draft_vocab_logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
+        """[..., D] -> [..., V'] float32: logits over the draft vocabulary only. `head`: `draft_head()`, if
+        gathered already."""
+        ...
+
+    def draft_logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
+        """[..., D] -> [..., V] float32: the draft vocabulary's logits, -inf for every other token (q is zero
+        outside V', which keeps speculative sampling exact)."""
+        ...
+
+
+@runtime_checkable
+class SharedKvModel(CausalLM, Protocol):
+    """A target whose cache a Gemma 4 drafter reads (the Gemma family; only Gemma 4 with `num_kv_shared_layers > 0`
+    has store layers, which `jaxspec.strategies.gemma4_drafter.check_pair` checks)."""
+
+    def input_embeddings(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] int32 -> [B, T, D]: the token embedding with its sqrt(D) scale (HF
+        `get_input_embeddings()(tokens)`), without Gemma 4's packed per-layer inputs."""
+        ...
+
+    def shared_kv(self, cache: Cache, layer_type: str) -> tuple[jax.Array, jax.Array]:
+        """Keys and values of `layer_type`'s store layer ("sliding_attention" or "full_attention"):
+        ([B, S, kv_heads, head_dim], [B, S, kv_heads, head_dim]), position-indexed, already normed and rotated."""
+        ...
+
+
+@runtime_checkable
+class DrafterModel(Protocol):
+    """The Gemma 4 MTP drafter (`gemma4_assistant`): no cache of its own; it attends to the target's store-layer
+    keys and values and reads the target's embedding and hidden state (D_t: the target's width)."""
+
+    cfg: Any  # Gemma4AssistantConfig (reads: layer_types, vocab_size, backbone_hidden_size)
+    dtype: Any  # read through `jaxspec.loading.Model.dtype`, as for any module
+
+    def __call__(self, inputs: jax.Array, positions: jax.Array,
+                 shared_kv: dict[str, tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, jax.Array]:
+        """inputs [B, T, 2 D_t] (the target's scaled embedding of the token, then a hidden state), positions [B, T],
+        shared_kv {layer type: (k, v) [B, S, kv_heads, head_dim]} -> logits [B, T, V] float32, next hidden
+        [B, T, D_t]. Keys at or past a query's position are never read."""
+        ...
