@@ -1,26 +1,19 @@
-"""Step costs measured on the machine that decodes: what the adaptive schedule prices drafts with.
+"""Step costs: measured on the machine that decodes (what the adaptive schedule prices drafts with), and the
+weight-share estimates used where nothing is measured.
 
-The adaptive schedule (jaxspec/strategies/base.py) drafts the length that maximises expected tokens per cost, so it
-is only as good as its costs: a verify block of W tokens, in plain decoding steps, and one assistant forward, in
-target steps. Both depend on the machine far more than on the model. On this project's 2-core build machine a
-two-token Qwen2.5-Coder-0.5B verify block cost 1.16 plain steps one day and 1.81 on another
-(`python scripts/bench_verify_width.py --model qwen2.5-coder-0.5b`: the memory bandwidth had fallen from about 60
-to 25 GB/s, and a matrix multiply of two rows pays more for it than a matrix-vector product). An assistant's forward
-is dearer than its share of the weights says (SmolLM2-135M reads a fifth of Qwen 0.5B's bytes and costs over a
-third of its step: its 30 layers each pay attention and small-kernel overheads). Priced with fixed figures, a
-schedule on the slower day kept drafting where every draft lost time.
-
-So `generate` measures them, once per architecture and machine, and keeps them in a JSON file in the jaxspec cache
-folder (`$JAXSPEC_CACHE`, else ~/.cache/jaxspec): `step_costs.json`, one entry per (machine, backend, model shape,
-model code, width), in milliseconds. Costs depend on shapes, not weights, so a model of the same architecture reuses
-them. A measurement compiles one forward loop per measured width (what `scripts/bench_verify_width.py` times) and
-runs it a few times: on the build machine's slow day, 60 s for Qwen2.5-Coder-0.5B with a SmolLM2-135M assistant
-(three target widths and one assistant forward), most of it compiling; nothing on later calls.
+The adaptive schedule (jaxspec/schedule.py) drafts the length that maximises expected tokens per cost, so it is only
+as good as its costs: a verify block of W tokens, in plain decoding steps, and one assistant forward, in target
+steps. Both depend on the machine far more than on the model (memory bandwidth moves them from day to day on the
+same machine), so `generate` measures them, once per architecture and machine, and keeps them in `step_costs.json`
+in the jaxspec cache folder (`$JAXSPEC_CACHE`, else ~/.cache/jaxspec), in milliseconds, keyed by machine, backend,
+model shape, model code and width. Costs depend on shapes, not weights, so a model of the same architecture reuses
+them. A measurement compiles one forward loop per measured width and runs it a few times.
 
 `JAXSPEC_STEP_COSTS` chooses: `measure` (the default), `default` (the fixed figures of
-`strategies.base.default_verify_costs` and the weight-bytes ratio for an assistant: deterministic, what the test
+`jaxspec.schedule.default_verify_costs` and the weight-bytes ratio for an assistant: deterministic, what the test
 suite uses), or `remeasure` (measure again on every call and overwrite the stored entries: after the machine changed).
 Sharded and multi-process runs keep the fixed figures: a forward timed on one device says little about a mesh.
+See docs/design.md, 'Step costs measured on the machine'.
 """
 
 from __future__ import annotations
@@ -39,10 +32,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import numpy as np
+
 from .head import verify_head
 from .loading import Model
-from .strategies.draft_model import DraftModelDrafter
-from .strategies.universal import UniversalDrafter
 
 MODES = ("measure", "default", "remeasure")
 CACHE_FILE = "step_costs.json"
@@ -105,7 +98,7 @@ def price_schedule(drafter, target: Model, assistant: Model | None):
     target_ms = forward_milliseconds(target, measured, remeasure=remeasure)
     verify_costs = tuple(round(interpolate(target_ms, w) / target_ms[1], 2) for w in schedule.widths)
     draft_cost = schedule.draft_cost
-    if isinstance(drafter, (DraftModelDrafter, UniversalDrafter)) and assistant is not target:
+    if drafter.drafts_with_assistant_forwards and assistant is not target:
         assistant_ms = forward_milliseconds(assistant, (1,), verifying=False, remeasure=remeasure)[1]
         draft_cost = round(assistant_ms / target_ms[1], 3)
     priced = dataclasses.replace(schedule, verify_costs=verify_costs, draft_cost=draft_cost)
@@ -115,8 +108,8 @@ def price_schedule(drafter, target: Model, assistant: Model | None):
 def interpolate(milliseconds: dict[int, float], width: int) -> float:
     """A width's cost from the measured ones: linear between the nearest measured widths around it. Only 1, 2 and
     the widest block are measured (each width is a compile of the whole forward, which dominates a measurement);
-    between 2 and K + 1 the cost of a CPU verify block grows close to linearly (`python scripts/bench_verify_width.py
-    --model qwen2.5-coder-0.5b --widths 2,4,5,8,11` prints each width's)."""
+    between 2 and K + 1 the cost of a CPU verify block grows close to linearly (`python benchmarks/bench_verify_width.py
+    --widths 2,4,5,8,11` prints each width's)."""
     if width in milliseconds:
         return milliseconds[width]
     below = max(w for w in milliseconds if w < width)
@@ -189,6 +182,32 @@ def time_forwards(model: Model, widths: tuple[int, ...], head=None, steps: int =
             best = min(best, (time.perf_counter() - start) / steps)
         milliseconds[width] = best * 1e3
     return milliseconds
+
+
+def weight_bytes(module) -> int:
+    """Bytes of the params one decoding step reads (what it costs when memory-bound): all but the MTP layers, which
+    only the MTP strategy runs (a model with trained MTP layers never reads them as an assistant)."""
+    params = nnx.state(module, nnx.Param)
+    return sum(int(x.size) * x.dtype.itemsize for path, x in jax.tree_util.tree_leaves_with_path(params)
+               if getattr(path[0], "key", None) != "mtp_layers")
+
+
+def head_share(model: Model) -> float:
+    """The LM head's share of the weights a decoding step reads."""
+    cfg = model.config
+    return min(1.0, cfg.vocab_size * cfg.hidden_size * np.dtype(model.dtype).itemsize / weight_bytes(model.module))
+
+
+def mtp_draft_cost(model: Model) -> float:
+    """One MTP draft in target decoding steps: each depth runs an eh_proj, one decoder block of the target's kind and
+    the draft head (over the draft vocabulary where the model has one). A MoE block is priced as if every expert
+    were read, which overestimates it."""
+    cfg = model.config
+    head = head_share(model)
+    block = (1 - head) / cfg.num_layers
+    eh_proj = 2 * cfg.hidden_size**2 * np.dtype(model.dtype).itemsize / weight_bytes(model.module)
+    drafted_vocab = getattr(cfg, "draft_vocab_size", 0) or cfg.vocab_size
+    return block + eh_proj + head * drafted_vocab / cfg.vocab_size
 
 
 def cache_path() -> str:

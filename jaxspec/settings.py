@@ -1,4 +1,5 @@
-"""One place where a `generate` call's settings are resolved, validated and split into static and run-time parts.
+"""Sampling, logits processing and stopping: `SamplingConfig` (the call's values, transformers' names) resolved into
+`Settings` (every value filled in and checked), split into static and run-time parts.
 
 Each value comes from the call's keyword argument, else the model's generation_config.json, else HF's default
 (`GenerationConfig._get_default_generation_params` in transformers 5.23: sampling uses top_k=50 unless told
@@ -37,6 +38,31 @@ HF_DEFAULTS: dict[str, Any] = dict(
 NGRAM_SLOTS = 4
 # Multi-token bad words are padded to power-of-two buckets of count and prefix length (at least these).
 BAD_WORDS_MIN_COUNT, BAD_WORDS_MIN_LENGTH = 4, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """A call's sampling, processing and stopping values, with transformers' names. None: not given, so the model's
+    generation_config.json decides, else transformers' default (`top_k=50` when sampling; pass `top_k=0` to turn it
+    off). Adding a field here adds a `generate()` keyword argument."""
+
+    max_new_tokens: int | None = None
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None
+    min_new_tokens: int | None = None
+    bad_words_ids: Sequence[Sequence[int]] | None = None
+    suppress_tokens: Sequence[int] | None = None
+    eos_token_id: int | Sequence[int] | None = None
+    pad_token_id: int | None = None
+    seed: int = 0
+
+    def resolve(self, model) -> "Settings":
+        return resolve(model, self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +133,10 @@ class Settings:
         )
 
 
-def resolve(model, *, max_new_tokens=None, do_sample=None, temperature=None, top_k=None, top_p=None, min_p=None,
-            repetition_penalty=None, no_repeat_ngram_size=None, min_new_tokens=None, bad_words_ids=None,
-            suppress_tokens=None, eos_token_id=None, pad_token_id=None, seed: int = 0) -> Settings:
-    """The call's value, else the model's generation_config, else HF's default; every value validated."""
+def resolve(model, call: SamplingConfig | None = None, **values) -> Settings:
+    """The call's value (`call`, or its fields as keyword arguments), else the model's generation_config, else HF's
+    default; every value validated."""
+    call = dataclasses.replace(call or SamplingConfig(), **values)
     config = getattr(model, "generation_config", None) or {}
 
     def pick(name, value):
@@ -119,17 +145,17 @@ def resolve(model, *, max_new_tokens=None, do_sample=None, temperature=None, top
         return config[name] if config.get(name) is not None else HF_DEFAULTS[name]
 
     vocab = model.config.vocab_size
-    max_new_tokens = pick("max_new_tokens", max_new_tokens)
+    max_new_tokens = pick("max_new_tokens", call.max_new_tokens)
     if max_new_tokens is None:
         raise ValueError("Pass max_new_tokens (the model's generation_config does not set it).")
     _check_int("max_new_tokens", max_new_tokens, minimum=1)
-    do_sample = pick("do_sample", do_sample)
+    do_sample = pick("do_sample", call.do_sample)
     if not isinstance(do_sample, (bool, np.bool_)):
         raise ValueError(f"do_sample must be True or False, got {do_sample!r}.")
-    temperature = float(pick("temperature", temperature))
-    top_k = pick("top_k", top_k)
-    top_p = float(pick("top_p", top_p))
-    min_p = pick("min_p", min_p)
+    temperature = float(pick("temperature", call.temperature))
+    top_k = pick("top_k", call.top_k)
+    top_p = float(pick("top_p", call.top_p))
+    min_p = pick("min_p", call.min_p)
     if do_sample:
         if not (temperature > 0 and math.isfinite(temperature)):
             raise ValueError(f"temperature must be > 0 when sampling, got {temperature}.")
@@ -138,19 +164,19 @@ def resolve(model, *, max_new_tokens=None, do_sample=None, temperature=None, top
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {top_p}.")
         if min_p is not None and not 0 <= min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1] (None or 0 disables it), got {min_p}.")
-    repetition_penalty = float(pick("repetition_penalty", repetition_penalty))
+    repetition_penalty = float(pick("repetition_penalty", call.repetition_penalty))
     if not (repetition_penalty > 0 and math.isfinite(repetition_penalty)):
         raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {repetition_penalty}.")
-    no_repeat_ngram_size = pick("no_repeat_ngram_size", no_repeat_ngram_size)
+    no_repeat_ngram_size = pick("no_repeat_ngram_size", call.no_repeat_ngram_size)
     _check_int("no_repeat_ngram_size", no_repeat_ngram_size, minimum=0, note=" (0 disables it)")
-    min_new_tokens = pick("min_new_tokens", min_new_tokens)
+    min_new_tokens = pick("min_new_tokens", call.min_new_tokens)
     _check_int("min_new_tokens", min_new_tokens, minimum=0)
-    eos_ids = _eos_ids(model, config, eos_token_id)
-    bad_words = _token_sequences("bad_words_ids", pick("bad_words_ids", bad_words_ids), vocab)
+    eos_ids = _eos_ids(model, config, call.eos_token_id)
+    bad_words = _token_sequences("bad_words_ids", pick("bad_words_ids", call.bad_words_ids), vocab)
     # As HF: a one-token bad word that is an EOS id is dropped (banning EOS would make generation never stop).
     bad_words = tuple(seq for seq in bad_words if not (len(seq) == 1 and seq[0] in eos_ids))
-    suppress = _token_ids("suppress_tokens", pick("suppress_tokens", suppress_tokens), vocab)
-    _check_int("seed", seed, minimum=0)
+    suppress = _token_ids("suppress_tokens", pick("suppress_tokens", call.suppress_tokens), vocab)
+    _check_int("seed", call.seed, minimum=0)
     return Settings(
         max_new_tokens=int(max_new_tokens),
         do_sample=bool(do_sample),
@@ -164,8 +190,8 @@ def resolve(model, *, max_new_tokens=None, do_sample=None, temperature=None, top
         bad_words_ids=bad_words,
         suppress_tokens=suppress,
         eos_ids=eos_ids,
-        pad_id=_pad_id(model, config, pad_token_id, eos_ids),
-        seed=int(seed),
+        pad_id=_pad_id(model, config, call.pad_token_id, eos_ids),
+        seed=int(call.seed),
     )
 
 

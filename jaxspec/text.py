@@ -7,7 +7,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .generate import GenerateOutput, generate
+from .generate import generate
+from .output import GenerateOutput
 
 Messages = Sequence[dict[str, Any]]
 

@@ -7,12 +7,12 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The adaptive schedule's fixed step costs, not ones timed on whatever machine runs the suite: tests that count
-# drafts stay deterministic. tests/test_costs.py measures them as users' runs do.
+# drafts stay deterministic. tests/decode/test_costs.py measures them as users' runs do.
 os.environ.setdefault("JAXSPEC_STEP_COSTS", "default")
 
 import pytest
 
-from tests import hf_models
+from tests.fixtures import hf_models
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +45,7 @@ def release_compiled_programs():
 
     import jax
 
-    loop_module = sys.modules.get("jaxspec.generate")  # the module, not the function jaxspec.generate
+    loop_module = sys.modules.get("jaxspec.loop")
     if loop_module is not None:
         loop_module._compiled.clear()
     jax.clear_caches()

@@ -11,7 +11,7 @@ schedule) without paying an assistant forward per token, and it reads the prompt
 in a one- or two-token block after a normal round, in the narrowest of 8, 16 or 32 that covers a gap left by idle
 rounds, in chunks of the prefill width when further behind (`catch_up_widths`).
 
-Draft length per row: the schedule's length (jaxspec/strategies/base.py), capped by the row's remaining budget,
+Draft length per row: the schedule's length (jaxspec/schedule.py), capped by the row's remaining budget,
 stopped early at a token whose draft probability is below `confidence_threshold` (that token is proposed, then
 drafting stops, as in HF; the adaptive schedule drops a doubted first draft: `drops_doubted_first`), or after an
 EOS. Rows stop independently; the step loop ends as soon as no row is drafting, and a round in which no row drafts
@@ -28,9 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import inplace
+from ..costs import weight_bytes
 from ..sampling import select
-from .base import (Context, DecodeState, Draft, Drafter, DraftLength, RoundResult, Schedule,
-                   room_for_drafts)
+from ..schedule import DraftLength, Schedule
+from .base import Context, DecodeState, Draft, Drafter, DraftStep, RoundResult, room_for_drafts
+from .spec import (ASSISTANT_MODEL, ASSISTANT_TOKENIZER, DRAFT_LENGTH_OPTIONS, BuildRequest, Strategy, StrategyChoice,
+                   check_assistant, default_prefill_chunk, draft_length, persist_heuristic_length)
 
 # feed(carry, token[B], positions[B, 1], slot) -> (logits[B, V], carry): run the drafting network on draft `slot`
 # (1-based; it sits at position L - 1 + slot) and return its logits, which predict the next draft.
@@ -46,14 +49,10 @@ def catch_up_widths(chunk: int) -> tuple[int, ...]:
     """The block widths a catch-up chooses from (ascending): 1 and 2 after a normal round, 8, 16, 32, then `chunk`
     for the far behind.
 
-    A row that sat out rounds (the adaptive schedule's idle rows) is as far behind as it sat out, typically 5 to 40
-    tokens, and the narrowest block that covers the gap is much cheaper than a chunk-wide one. On a CPU a block's
-    cost grows with its width long before the chunk (`python scripts/bench_verify_width.py --widths
-    1,2,8,16,32,64`, SmolLM2-135M: 1.13 / 1.35 / 1.67 / 2.87 / 4.54 one-token steps for 2 / 8 / 16 / 32 / 64), so
-    catching up 12 tokens in a 64-wide block costs 2.7 times a 16-wide one. Idle rows are what make an assistant
-    cheap where it cannot help, so their catch-up is most of what such an assistant still costs. The same holds at
-    the narrow end: most rounds end in a rejection, which leaves one token to catch up on, where a two-wide block
-    would cost about 1.1 one-token steps.
+    A row that sat out rounds (the adaptive schedule's idle rows) is as far behind as it sat out, and on a CPU a
+    block's cost grows with its width long before the chunk, so the narrowest block that covers the gap is much
+    cheaper than a chunk-wide one (`python benchmarks/bench_verify_width.py --widths 1,2,8,16,32,64` times them).
+    Most rounds end in a rejection, which leaves one token to catch up on: hence width 1.
     """
     return (*(w for w in (*STEADY_CATCH_UP_WIDTHS, *MIDDLE_CATCH_UP_WIDTHS) if w < chunk), chunk)
 
@@ -164,6 +163,7 @@ class DraftModelState:
 @dataclasses.dataclass(frozen=True)
 class DraftModelDrafter(AutoregressiveDrafter):
     catch_up_width: int = 64  # the chunk width when the assistant is far behind (the prompt, after skipped rounds)
+    drafts_with_assistant_forwards = True
 
     def init(self, ctx: Context, batch: int, size: int) -> DraftModelState:
         return DraftModelState(cache=ctx.assistant.init_cache(batch, size), synced=jnp.zeros((batch,), jnp.int32),
@@ -191,7 +191,7 @@ class DraftModelDrafter(AutoregressiveDrafter):
             return state, (self.no_draft(loop, ctx.target.cfg.vocab_size), jnp.zeros((), jnp.int32))
 
         state, (draft, forwards) = inplace.cond(jnp.any(limit > 0), run, skip, state)
-        return draft, state, forwards, loop.cache
+        return DraftStep(draft=draft, state=state, forwards=forwards, target_cache=loop.cache)
 
     def update(self, ctx: Context, state: DraftModelState, result: RoundResult) -> DraftModelState:
         # The entry at the new L-1 holds a rejected draft (or nothing): only positions below it stay valid.
@@ -239,3 +239,28 @@ def catch_up(assistant, tokens: jax.Array, synced: jax.Array, lengths: jax.Array
     start = (jnp.zeros((), jnp.int32), cache, synced, jnp.zeros((batch, hidden.shape[-1]), hidden.dtype))
     forwards, cache, _, last_hidden = jax.lax.while_loop(lambda c: jnp.any(c[2] < lengths), body, start)
     return assistant.logits(last_hidden), cache, forwards
+
+
+def assistant_settings(request: BuildRequest) -> dict:
+    """The drafter settings of an assistant with its own KV cache (this strategy and universal decoding)."""
+    assistant = request.options["assistant_model"]
+    check_assistant(assistant)
+    cost = weight_bytes(assistant.module) / weight_bytes(request.model.module)
+    max_draft, schedule, threshold = draft_length(assistant, request, cost)
+    return dict(max_draft=max_draft, schedule=schedule, confidence_threshold=threshold,
+                keep_probs=request.keep_probs, catch_up_width=request.prefill_chunk or default_prefill_chunk())
+
+
+def build(request: BuildRequest) -> StrategyChoice:
+    return StrategyChoice(SPECULATIVE, DraftModelDrafter(**assistant_settings(request)),
+                          request.options["assistant_model"])
+
+
+SPECULATIVE = Strategy(
+    name="speculative",
+    summary="a smaller assistant model with the target's tokenizer drafts (--assistant PATH)",
+    selected_by="assistant_model",
+    options=(ASSISTANT_MODEL, ASSISTANT_TOKENIZER, *DRAFT_LENGTH_OPTIONS),
+    build=build,
+    persist=persist_heuristic_length,
+)

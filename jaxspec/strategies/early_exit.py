@@ -21,8 +21,11 @@ import jax
 import jax.numpy as jnp
 
 from .. import inplace
-from .base import Context, DecodeState, DraftLength, RoundResult
+from ..costs import head_share
+from ..schedule import DraftLength
+from .base import Context, DecodeState, DraftStep, RoundResult
 from .draft_model import AutoregressiveDrafter
+from .spec import DRAFT_LENGTH_OPTIONS, BuildRequest, Option, Strategy, StrategyChoice, draft_length
 
 
 @jax.tree_util.register_dataclass
@@ -76,7 +79,8 @@ class EarlyExitDrafter(AutoregressiveDrafter):
             return operands, (self.no_draft(loop, ctx.target.cfg.vocab_size), jnp.ones((), jnp.int32))
 
         (cache, exit_hidden), (draft, forwards) = inplace.cond(jnp.any(limit > 0), run, skip, (cache, exit_hidden))
-        return draft, dataclasses.replace(state, exit_hidden=exit_hidden), forwards, cache
+        return DraftStep(draft=draft, state=dataclasses.replace(state, exit_hidden=exit_hidden), forwards=forwards,
+                         target_cache=cache)
 
     def update(self, ctx: Context, state: EarlyExitState, result: RoundResult) -> EarlyExitState:
         return dataclasses.replace(state, length=self.update_length(state.length, result))
@@ -91,3 +95,29 @@ class EarlyExitDrafter(AutoregressiveDrafter):
         x, cache = target.run_layers(x, positions, cache, self.exit_layer, None)
         hidden = target.final_hidden(x)
         return target.logits(hidden, ctx.head), hidden, cache
+
+
+ASSISTANT_EARLY_EXIT = Option("assistant_early_exit", "E: the first E layers and the LM head draft (LayerSkip)",
+                              flag="--assistant-early-exit")
+
+
+def build(request: BuildRequest) -> StrategyChoice:
+    model = request.model
+    exit_layer, layers = request.options.get("assistant_early_exit"), model.config.num_layers
+    if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer <= layers - 1:
+        raise ValueError(f"assistant_early_exit must be a layer count in 1..{layers - 1} (the model has {layers} "
+                         f"layers), got {exit_layer!r}.")
+    head = head_share(model)  # a draft runs the first E layers and the LM head
+    max_draft, schedule, threshold = draft_length(model, request, head + (1 - head) * exit_layer / layers)
+    return StrategyChoice(EARLY_EXIT, EarlyExitDrafter(max_draft=max_draft, schedule=schedule,
+                                                       confidence_threshold=threshold, keep_probs=request.keep_probs,
+                                                       exit_layer=exit_layer))
+
+
+EARLY_EXIT = Strategy(
+    name="early_exit",
+    summary="self-speculative early exit (LayerSkip): the target's first E layers and its LM head draft",
+    selected_by="assistant_early_exit",
+    options=(ASSISTANT_EARLY_EXIT, *DRAFT_LENGTH_OPTIONS),
+    build=build,
+)

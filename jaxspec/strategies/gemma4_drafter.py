@@ -1,6 +1,6 @@
 """The Gemma 4 MTP drafter (`assistant_model=` a `Gemma4AssistantForCausalLM`): drafts from the target's own KV cache.
 
-Definition (HF `SinglePositionMultiTokenCandidateGenerator`, transformers-assisted-decoding.md §6): with the row's
+Definition (HF `SinglePositionMultiTokenCandidateGenerator` in transformers/generation/candidate_generator.py): with the row's
 committed tokens t_0..t_{L-1}, draft 1 comes from the drafter fed [Emb(t_{L-1}), h_{L-2}] (the target's scaled
 embedding, and its final-normed hidden state at L-2), attending to the target's store-layer keys and values at
 positions below L-1; draft i+1 comes from [Emb(draft i), the drafter's projected state of step i], same keys, same
@@ -25,8 +25,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .base import Context, DecodeState, DraftLength, PrefillChunk, RoundResult
+from ..costs import weight_bytes
+from ..schedule import DraftLength
+from .base import Context, DecodeState, DraftStep, PrefillChunk, RoundResult
 from .draft_model import AutoregressiveDrafter
+from .spec import ASSISTANT_MODEL, DRAFT_LENGTH_OPTIONS, BuildRequest, Strategy, StrategyChoice, draft_length
 
 # 5.23 has no default (it fails without one); the drafter's steps are cheap next to a target forward.
 DEFAULT_NUM_ASSISTANT_TOKENS = 4
@@ -107,7 +110,7 @@ class Gemma4Drafter(AutoregressiveDrafter):
             return self.no_draft(loop, target.cfg.vocab_size), jnp.zeros((), jnp.int32)
 
         draft, forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, None)
-        return draft, state, forwards, loop.cache
+        return DraftStep(draft=draft, state=state, forwards=forwards, target_cache=loop.cache)
 
     def update(self, ctx: Context, state: Gemma4DrafterState, result: RoundResult) -> Gemma4DrafterState:
         """The block began at the old L-1, so the new L-2 is its entry `committed - 1` (finished rows keep theirs)."""
@@ -118,3 +121,24 @@ class Gemma4Drafter(AutoregressiveDrafter):
 
     def summary(self, state: Gemma4DrafterState) -> dict[str, jax.Array]:
         return {"num_assistant_tokens": state.length.num_tokens}
+
+
+def build(request: BuildRequest) -> StrategyChoice:
+    drafter_model = request.options["assistant_model"]
+    check_pair(request.model, drafter_model)
+    cost = weight_bytes(drafter_model.module) / weight_bytes(request.model.module)
+    max_draft, schedule, threshold = draft_length(drafter_model, request, cost, DRAFT_DEFAULTS)
+    drafter = Gemma4Drafter(max_draft=max_draft, schedule=schedule, confidence_threshold=threshold,
+                            keep_probs=request.keep_probs)
+    return StrategyChoice(MTP_DRAFTER, drafter, drafter_model)
+
+
+MTP_DRAFTER = Strategy(
+    name="mtp_drafter",
+    summary="a separate MTP drafter checkpoint (Gemma 4 assistant) drafts from the target's KV cache "
+            "(--assistant PATH)",
+    selected_by="assistant_model",
+    claims=lambda request: is_gemma4_drafter(request.options["assistant_model"]),
+    options=(ASSISTANT_MODEL, *DRAFT_LENGTH_OPTIONS),
+    build=build,
+)

@@ -36,8 +36,11 @@ import numpy as np
 
 from .. import inplace
 from ..sampling import select
-from .base import (Context, DecodeState, Draft, Drafter, DraftLength, PrefillChunk, RoundResult, Schedule,
-                   room_for_drafts)
+from ..costs import mtp_draft_cost
+from ..schedule import DraftLength, Schedule, make_schedule
+from .base import Context, DecodeState, Draft, Drafter, DraftStep, PrefillChunk, RoundResult, room_for_drafts
+from .spec import (ASSISTANT_ENSEMBLE_WEIGHT, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE, BuildRequest, Option,
+                   Strategy, StrategyChoice, check_positive_int, schedule_kind)
 
 
 CATCH_UP_WIDTH = 16  # positions per block when an idle depth catches its committed entries up
@@ -145,7 +148,7 @@ class MtpDrafter(Drafter):
         draft = Draft(tokens=jnp.stack(drafts, axis=1), count=count,
                       probs=jnp.stack(probs, axis=1) if self.keep_probs else None)
         state = dataclasses.replace(state, caches=caches, outputs=outputs, synced=synced)
-        return draft, state, forwards, loop.cache
+        return DraftStep(draft=draft, state=state, forwards=forwards, target_cache=loop.cache)
 
     def _catch_up(self, ctx: Context, loop: DecodeState, main_hidden, caches, outputs, synced, end, depth: int):
         """Run depth `depth` on the committed positions [synced, end) of each row, CATCH_UP_WIDTH at a time, reading
@@ -203,3 +206,38 @@ def _input_states(main_hidden: jax.Array, outputs: jax.Array, depth: int, positi
     before = jnp.clip(positions - 1, 0, main_hidden.shape[1] - 1)
     states = main_hidden[rows, before] if depth == 0 else outputs[depth - 1, rows, before]
     return jnp.where((positions > 0)[..., None], states, 0)
+
+
+USE_MTP = Option("use_mtp", "draft with the checkpoint's own MTP layers", type=None,
+                 default=True)  # what naming the strategy (DraftingConfig(strategy="mtp")) implies
+
+
+def build(request: BuildRequest) -> StrategyChoice:
+    model = request.model
+    layers = getattr(model.module, "num_mtp_layers", 0)
+    if not layers:
+        raise ValueError(
+            f"use_mtp=True needs multi-token-prediction layers, but this {model.config.__class__.__name__} has none "
+            "(config.json's num_nextn_predict_layers is 0 or absent, or the family has no MTP layers)."
+        )
+    # Unless the caller sets it: the draft length the layers' config recommends (a trained set records the K that
+    # benchmarks/bench_mtp.py measured best), else one draft per MTP layer.
+    recommended = model.hf_config.get("mtp_num_assistant_tokens")
+    if recommended is not None:
+        check_positive_int("config.json's mtp_num_assistant_tokens", recommended)
+    drafts = request.options.get("num_assistant_tokens") or recommended or layers
+    check_positive_int("num_assistant_tokens", drafts)
+    kind = schedule_kind(request.options.get("num_assistant_tokens_schedule") or "adaptive", ("adaptive", "constant"),
+                         "use_mtp")
+    schedule = make_schedule(kind, int(drafts), int(drafts), draft_cost=mtp_draft_cost(model))
+    return StrategyChoice(MTP, MtpDrafter(max_draft=int(drafts), num_layers=layers, keep_probs=request.keep_probs,
+                                          schedule=schedule))
+
+
+MTP = Strategy(
+    name="mtp",
+    summary="the checkpoint's own multi-token-prediction layers draft (DeepSeek-V3, GLM-4.5, trained sets)",
+    selected_by="use_mtp",
+    options=(USE_MTP, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE, ASSISTANT_ENSEMBLE_WEIGHT),
+    build=build,
+)

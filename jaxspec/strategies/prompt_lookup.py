@@ -6,11 +6,10 @@ the largest n with a match wins, and among its matches the earliest; propose the
 past the end of the sequence, and stop before an EOS (a continuation that starts with EOS proposes nothing, without
 trying another match). No match means a plain decoding step for that row.
 
-How many tokens to propose follows the row's schedule (jaxspec/strategies/base.py). HF has no schedule here: it
-always proposes up to `prompt_lookup_num_tokens` (jaxspec's "constant"). jaxspec's default, "adaptive", proposes
-fewer after misses and more after hits, and stops proposing while a row keeps missing, because a wide verify block
-costs more than a one-token step (on a CPU an 11-token block costs about 1.8 steps): copying then never makes text
-that does not copy slower than plain decoding.
+How many tokens to propose follows the row's schedule (jaxspec/schedule.py). HF has no schedule here: it always
+proposes up to `prompt_lookup_num_tokens` (jaxspec's "constant"). jaxspec's default, "adaptive", proposes fewer
+after misses and more after hits, and stops proposing while a row keeps missing, because a wide verify block costs
+more than a one-token step on a CPU: copying then never makes text that does not copy slower than plain decoding.
 
 The drafts are deterministic (one-hot q), so verification by matching target samples keeps sampling exact.
 """
@@ -23,7 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .base import Context, DecodeState, Draft, Drafter, DraftLength, RoundResult, Schedule, room_for_drafts
+from ..schedule import DraftLength, Schedule, make_schedule
+from .base import Context, DecodeState, Draft, Drafter, DraftStep, RoundResult, room_for_drafts
+from .spec import (NUM_ASSISTANT_TOKENS_SCHEDULE, BuildRequest, Option, Strategy, StrategyChoice, check_positive_int,
+                   schedule_kind)
 
 
 def find_continuation(tokens: jax.Array, length: jax.Array, max_ngram: int) -> tuple[jax.Array, jax.Array]:
@@ -67,10 +69,35 @@ class PromptLookupDrafter(Drafter):
         count = jnp.sum(jnp.cumprod(valid, axis=1), axis=1).astype(jnp.int32)
         # Drafts past the row's budget could never be committed: do not pay to verify them.
         count = jnp.minimum(count, jnp.minimum(self.schedule.allowed(state), room_for_drafts(loop)))
-        return Draft(tokens=tokens, count=count), state, jnp.zeros((), jnp.int32), loop.cache
+        return DraftStep(draft=Draft(tokens=tokens, count=count), state=state, forwards=jnp.zeros((), jnp.int32),
+                         target_cache=loop.cache)
 
     def update(self, ctx: Context, state: DraftLength, result: RoundResult) -> DraftLength:
         return self.schedule.update(state, result, self.max_draft)
 
     def summary(self, state: DraftLength) -> dict[str, jax.Array]:
         return {"num_assistant_tokens": state.num_tokens}
+
+
+PROMPT_LOOKUP_NUM_TOKENS = Option("prompt_lookup_num_tokens", "most tokens copied per round (K)", default=10)
+MAX_MATCHING_NGRAM_SIZE = Option("max_matching_ngram_size", "longest n-gram matched (transformers' default 2)")
+
+
+def build(request: BuildRequest) -> StrategyChoice:
+    k = request.get(PROMPT_LOOKUP_NUM_TOKENS)
+    check_positive_int("prompt_lookup_num_tokens", k)
+    ngram = request.options.get("max_matching_ngram_size") or 2  # HF: `or 2`, so 0 also means 2
+    check_positive_int("max_matching_ngram_size", ngram)
+    kind = schedule_kind(request.options.get("num_assistant_tokens_schedule") or "adaptive", ("adaptive", "constant"),
+                         "prompt lookup")
+    drafter = PromptLookupDrafter(max_draft=k, max_ngram=ngram, schedule=make_schedule(kind, k, k, draft_cost=0.0))
+    return StrategyChoice(PROMPT_LOOKUP, drafter)
+
+
+PROMPT_LOOKUP = Strategy(
+    name="prompt_lookup",
+    summary="copy the continuation of an n-gram match in the prompt and output so far",
+    selected_by="prompt_lookup_num_tokens",
+    options=(PROMPT_LOOKUP_NUM_TOKENS, MAX_MATCHING_NGRAM_SIZE, NUM_ASSISTANT_TOKENS_SCHEDULE),
+    build=build,
+)

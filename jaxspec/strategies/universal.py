@@ -45,8 +45,11 @@ import numpy as np
 from .. import inplace
 from ..verify import leading_true
 from ..vocab_map import MAX_SPELLING, VocabMap, merge_hash, same_vocabulary, vocab_map
-from .base import Context, DecodeState, Draft, DraftLength, RoundResult, room_for_drafts
-from .draft_model import AutoregressiveDrafter, catch_up, catch_up_widths
+from ..schedule import DraftLength
+from .base import Context, DecodeState, Draft, DraftStep, RoundResult, room_for_drafts
+from .draft_model import AutoregressiveDrafter, assistant_settings, catch_up, catch_up_widths
+from .spec import (ASSISTANT_MODEL, ASSISTANT_TOKENIZER, DRAFT_LENGTH_OPTIONS, BuildRequest, Strategy, StrategyChoice,
+                   persist_heuristic_length)
 
 MIN_ASSISTANT_BUFFER = 256
 ASSISTANT_ROOM = 1.5  # assistant buffer room per target position of generation room (expansions are ~1 token)
@@ -103,6 +106,7 @@ class UniversalDrafter(AutoregressiveDrafter):
     assistant_merge_probes: int = 1  # ... and of the assistant's
     catch_up_width: int = 64
     vocab_map: VocabMap | None = dataclasses.field(default=None, compare=False)
+    drafts_with_assistant_forwards = True
     # Set per call by `for_prompts` (run-time inputs, so a new prompt of the same bucket does not recompile).
     prompt_inputs: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -172,7 +176,7 @@ class UniversalDrafter(AutoregressiveDrafter):
             return state, (self.no_draft(loop, ctx.target.cfg.vocab_size), jnp.zeros((), jnp.int32))
 
         state, (draft, forwards) = inplace.cond(jnp.any(limit > 0), run, skip, state)
-        return draft, state, forwards, loop.cache
+        return DraftStep(draft=draft, state=state, forwards=forwards, target_cache=loop.cache)
 
     def _draft_text(self, ctx: Context, start, limit, most, first_logits, cache, heal_row):
         """Draft `limit` [B] target tokens per row (`most` [B] with a look-ahead draft) from the assistant's greedy
@@ -329,3 +333,34 @@ def merge(inputs, prefix: str, probes: int, first: jax.Array, second: jax.Array)
     at = (slot[:, None] + jnp.arange(probes)[None, :]) & (size - 1)  # [B, P]
     hit = (table_first[at] == first[:, None]) & (table_second[at] == second[:, None])
     return jnp.max(jnp.where(hit, inputs[f"{prefix}_merged"][at], -1), axis=1)
+
+
+def _pair(request: BuildRequest):
+    return tokenizer_pair(request.model, request.options["assistant_model"], request.tokenizer,
+                          request.options.get("assistant_tokenizer"))
+
+
+def build(request: BuildRequest) -> StrategyChoice:
+    pair = _pair(request)
+    if pair is None:
+        raise ValueError("strategy 'universal' needs an assistant with another tokenizer; this assistant shares the "
+                         "target's vocabulary: use strategy 'speculative'.")
+    if request.options.get("assistant_ensemble_weight") is not None:
+        raise NotImplementedError(
+            "assistant_ensemble_weight with an assistant of another tokenizer: its drafts are its text re-tokenized "
+            "for the target, with no draft distribution over the target's vocabulary to mix with the target's. Use "
+            "the ensemble with an assistant that shares the target's tokenizer.")
+    assistant = request.options["assistant_model"]
+    drafter = universal_drafter(request.model, assistant, *pair, **assistant_settings(request))
+    return StrategyChoice(UNIVERSAL, drafter, assistant)
+
+
+UNIVERSAL = Strategy(
+    name="universal",
+    summary="an assistant model with another tokenizer drafts; drafts are re-tokenized (--assistant PATH)",
+    selected_by="assistant_model",
+    claims=lambda request: _pair(request) is not None,  # the assistant reads another vocabulary
+    options=(ASSISTANT_MODEL, ASSISTANT_TOKENIZER, *DRAFT_LENGTH_OPTIONS),
+    build=build,
+    persist=persist_heuristic_length,
+)

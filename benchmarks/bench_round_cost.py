@@ -1,0 +1,112 @@
+"""What a decoding round costs inside the compiled loop, by the number of drafts it verifies, against a plain step.
+
+    python benchmarks/bench_round_cost.py [--model smollm2-135m] [--drafts 0,1,3,7] [--max-draft 10] [--repeats 4]
+        [--assistant smollm2-135m --assistant-drafts 1,2] [--results benchmarks/results]
+
+A drafter that proposes d fixed tokens every round (all of them rejected, so every round commits one token) runs
+through `jaxspec.generate`'s loop with K = `--max-draft`, next to plain decoding, on the story prompt of
+benchmarks/_bench_prompts.py; 96 new tokens, batch 1. Printed: milliseconds per round (decode time without the prefill,
+median of `--repeats` calls, interleaved) and the ratio to plain decoding, side by side in one run.
+
+- d = 0 is a round of a drafter that drafts nothing: what the loop's structure (the draft buffer, the run-time choice
+  of a verify width) costs over plain decoding, the floor of any strategy's overhead where it cannot help.
+- d >= 1 adds the verify block of width d + 1 (the target forward, the processors and verification at that width).
+- `--assistant`: rounds of that real assistant drafting d tokens each (constant schedule, no confidence stop; another
+  tokenizer runs universal decoding). A round's cost minus the fixed-draft round of the same d is what the assistant's
+  d drafts cost, in plain steps of the target: the figure the adaptive schedule prices as `draft_cost` per draft.
+
+The table also goes to a JSON record in `--results` (benchmarks/_record.py). Run it as a script, as above: its
+siblings in benchmarks/ (the prompt set, the record) import because Python puts the script's folder on sys.path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+
+from _bench_prompts import STORY
+from _record import Record, add_results_argument
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--drafts", default="0,1,3,7")
+    p.add_argument("--max-draft", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--assistant", default=None, help="a catalogue name or path: also time its drafting rounds")
+    p.add_argument("--assistant-drafts", default="1,2")
+    add_results_argument(p)
+    args = p.parse_args(argv)
+    record = Record("bench_round_cost", __file__, argv, args.results)
+
+    import jax.numpy as jnp
+
+    import jaxspec
+    from jaxspec import settings as settings_lib
+    from jaxspec.generate import generate_with_drafter
+    from jaxspec.strategies.base import Draft, Drafter, DraftStep
+
+    @dataclasses.dataclass(frozen=True)
+    class FixedDrafts(Drafter):
+        """Proposes `drafts` copies of one token every round (a token the target does not pick)."""
+
+        drafts: int = 0
+
+        def draft(self, ctx, loop, state, rng):
+            batch = loop.lengths.shape[0]
+            tokens = jnp.full((batch, self.max_draft), 0, jnp.int32)
+            count = jnp.full((batch,), self.drafts, jnp.int32)
+            return DraftStep(Draft(tokens=tokens, count=count), state, jnp.zeros((), jnp.int32), loop.cache)
+
+    model = jaxspec.load(args.model)
+    tokenizer = model.tokenizer
+    text = tokenizer.apply_chat_template([{"role": "user", "content": STORY}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"]]
+    settings = settings_lib.resolve(model, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=[])
+    drafters = {"plain decoding": Drafter(0)}
+    for d in (int(x) for x in args.drafts.split(",")):
+        drafters[f"K={args.max_draft}, {d} draft(s)"] = FixedDrafts(max_draft=args.max_draft, drafts=d)
+
+    def per_round(drafter) -> tuple[float, int]:
+        if isinstance(drafter, dict):  # a real assistant's arguments to jaxspec.generate
+            out = jaxspec.generate(model, ids, max_new_tokens=args.max_new_tokens, eos_token_id=[], **drafter)
+        else:
+            out = generate_with_drafter(model, ids, None, drafter, settings)
+        return (out.decode_seconds - out.prefill_seconds) / out.rounds, out.accepted_hist.sum()
+
+    if args.assistant:
+        assistant = jaxspec.load(args.assistant)
+        for d in (int(x) for x in args.assistant_drafts.split(",")):
+            drafters[f"{args.assistant}, {d} draft(s)"] = dict(
+                assistant_model=assistant, num_assistant_tokens=d, num_assistant_tokens_schedule="constant",
+                assistant_confidence_threshold=0.0)
+
+    for drafter in drafters.values():
+        per_round(drafter)  # compile
+    times = {name: [] for name in drafters}
+    for _ in range(args.repeats):
+        for name, drafter in drafters.items():
+            seconds, _ = per_round(drafter)
+            times[name].append(seconds)
+    plain = statistics.median(times["plain decoding"])
+    title = f"round cost in the loop: {args.model}, {args.max_new_tokens} new tokens, batch 1, median of {args.repeats}"
+    print(f"# {title}\n")
+    print("| round | ms | vs a plain step |")
+    print("|---|---:|---:|")
+    rows = []
+    for name in drafters:
+        ms = statistics.median(times[name])
+        print(f"| {name} | {ms * 1e3:.2f} | {ms / plain:.3f} |")
+        rows.append({"table": "rounds", "model": args.model, "round": name, "ms": ms * 1e3,
+                     "vs_plain_step": ms / plain})
+    record.write(rows, [args.model], title=title,
+                 settings={k: v for k, v in vars(args).items() if k not in ("model", "results")})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""jaxspec's command-line entry points (`jaxspec-generate`, `jaxspec-convert`, `jaxspec-train-mtp`, `jaxspec-plan`)."""

@@ -1,0 +1,303 @@
+"""The device side of `generate`: one jit-compiled prefill and one round loop (a `lax.while_loop`) per LoopSpec.
+
+The prefill reads the prompt in fixed-width chunks (a loop, so the prompt's length is not a shape) and picks each
+row's first token. The round loop then drafts, verifies and commits until every row is done. One round: the drafter
+proposes up to K tokens per row; the target scores `[last, d_1 .. d_W-1]` in one forward, with the width W chosen
+at run time among a few static sizes (a round with 2 drafts does not pay for K); `verify()` decides what each row
+accepts; each row commits its own count, cut at EOS and at its budget. Plain decoding is the K = 0 drafter, not a
+second loop.
+
+What recompiles: only shapes and the LoopSpec (the strategy's static settings). Sampling values, processors and the
+drafter's run-time settings enter as arrays (`LoopInputs`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from . import distributed, inplace
+from .processors import Processing
+from .sampling import select
+from .schedule import verify_widths
+from .sharding import ShardingRules, constrain, named_sharding
+from .strategies.base import Context, Counters, DecodeState, Drafter, DraftStep, PrefillChunk, RoundResult
+from .verify import verify
+
+_trace_count = 0
+
+
+def trace_count() -> int:
+    """How many times a loop executable has been traced (compiled) in this process; tests use it."""
+    return _trace_count
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+    """Everything static about the loop's executables; equal specs (and argument shapes) share a compilation."""
+
+    target_graphdef: Any
+    assistant_graphdef: Any
+    drafter: Drafter
+    do_sample: bool
+    ngram_slots: int
+    ensemble_weight: float | None
+    prefill_chunk: int
+    mesh: Mesh | None
+    rules: ShardingRules
+    return_logits: bool = False
+
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        return verify_widths(self.drafter.max_draft)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopInputs:
+    """The loop's run-time inputs: new values reuse the executables."""
+
+    processing: Processing  # sampling and logits-processing settings (jaxspec.settings)
+    draft_inputs: dict[str, jax.Array]  # the drafter's run-time settings (`Drafter.runtime_inputs`)
+    head: jax.Array | None  # [D, V] the target's head for verifying forwards, on CPU (jaxspec/head.py); else None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VerifyResult:
+    """One round's verification, padded to K+1 positions (positions past a row's commit are never read)."""
+
+    accepted: jax.Array  # [B] drafts accepted
+    tokens: jax.Array  # [B, K+1] accepted drafts, then the target's own token
+    hidden: jax.Array  # [B, K+1, D] the target's final-normed hidden states at [last, d_1 .. d_K]
+    processed: jax.Array | None  # [B, K+1, V] processed target logits with return_logits, else None
+
+
+MAX_COMPILED = 32  # a long session (a notebook, a test run) should not keep every executable alive
+_compiled: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+
+def compile_loop(spec: LoopSpec, which: str, args):
+    """AOT-compile once per (spec, executable, argument shapes) so compile time is measured apart from decode time."""
+    leaves, treedef = jax.tree.flatten(args)
+    key = (spec, which, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+    if key not in _compiled:
+        if which == "prefill":
+            fn = jax.jit(functools.partial(_prefill, spec))
+        else:
+            fn = jax.jit(functools.partial(_rounds, spec), donate_argnums=(2,))  # the loop state is updated in place
+        _compiled[key] = fn.lower(*args).compile()
+        while len(_compiled) > MAX_COMPILED:
+            _compiled.popitem(last=False)
+    _compiled.move_to_end(key)
+    return _compiled[key]
+
+
+def place(x: np.ndarray, mesh: Mesh | None, rules: ShardingRules) -> jax.Array:
+    """Batch-major host arrays go to the mesh split along `batch` (replicated if it does not divide). Every process
+    passes the same array; each places only its own devices' slices."""
+    if mesh is None:
+        return jnp.asarray(x)
+    axes = ("batch",) + ("seq",) * (x.ndim - 1)
+    return distributed.global_array(x, named_sharding(axes, x.shape, mesh, rules))
+
+
+def _context(spec: LoopSpec, target_state, assistant_state, inputs: LoopInputs) -> Context:
+    target = nnx.merge(spec.target_graphdef, target_state)
+    assistant = nnx.merge(spec.assistant_graphdef, assistant_state) if spec.assistant_graphdef else None
+    return Context(target=target, assistant=assistant, processing=inputs.processing, do_sample=spec.do_sample,
+                   ngram_slots=spec.ngram_slots, draft_inputs=inputs.draft_inputs, head=inputs.head)
+
+
+def _prefill(spec: LoopSpec, target_state, assistant_state, tokens, prompt_lengths, max_new_tokens, rng,
+             inputs: LoopInputs, score_slots) -> DecodeState:
+    """Read every prompt in chunks of `spec.prefill_chunk` positions, pick each row's first token, build the state."""
+    global _trace_count
+    _trace_count += 1
+    ctx = _context(spec, target_state, assistant_state, inputs)
+    target, drafter = ctx.target, spec.drafter
+    batch, size = tokens.shape
+    chunk = spec.prefill_chunk
+    cache = target.init_cache(batch, size)
+    cache = jax.tree.map(lambda x, axes: constrain(x, axes, spec.mesh, spec.rules), cache, type(cache).logical_axes())
+    drafter_state = drafter.init(ctx, batch, size)
+    rows = jnp.arange(batch)
+
+    def read_chunk(index, carry):
+        cache, drafter_state, last_hidden = carry
+        first = index * chunk
+        chunk_tokens = jax.lax.dynamic_slice_in_dim(tokens, first, chunk, axis=1)  # [B, C]
+        positions = jnp.broadcast_to(first + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
+        x, cache = target.run_layers(target.embed_tokens(chunk_tokens), positions, cache)
+        hidden = target.final_hidden(x)  # [B, C, D]
+        last = prompt_lengths - 1 - first  # the row's last prompt position, within this chunk if in [0, C)
+        in_chunk = (last >= 0) & (last < chunk)
+        last_hidden = jnp.where(in_chunk[:, None], hidden[rows, jnp.clip(last, 0, chunk - 1)], last_hidden)
+        valid = positions < prompt_lengths[:, None]
+        drafter_state = drafter.prefill_chunk(ctx, drafter_state, PrefillChunk(chunk_tokens, positions, hidden, valid))
+        return cache, drafter_state, last_hidden
+
+    chunks = (jnp.max(prompt_lengths) + chunk - 1) // chunk
+    last_hidden = jnp.zeros((batch, target.cfg.hidden_size), target.dtype)
+    cache, drafter_state, last_hidden = jax.lax.fori_loop(0, chunks, read_chunk, (cache, drafter_state, last_hidden))
+    logits = target.logits(last_hidden, ctx.head)[:, None]  # [B, 1, V]
+    processed = ctx.process(logits, tokens, prompt_lengths, prompt_lengths)
+    rng, first_rng = jax.random.split(rng)
+    first = select(first_rng, processed[:, 0], spec.do_sample)  # [B]
+    tokens = tokens.at[rows, prompt_lengths].set(first)
+    scores = None
+    if spec.return_logits:
+        scores = jnp.full((batch, score_slots.shape[0], processed.shape[-1]), -jnp.inf, jnp.float32)
+        scores = scores.at[:, 0].set(processed[:, 0])
+    done = ctx.is_eos(first) | (max_new_tokens <= 1)
+    return DecodeState(
+        tokens=tokens,
+        lengths=prompt_lengths + 1,
+        prompt_lengths=prompt_lengths,
+        budget_end=prompt_lengths + max_new_tokens,
+        done=done,
+        cache=cache,
+        drafter=drafter_state,
+        rng=rng,
+        counters=Counters.zeros(batch, drafter.max_draft),
+        scores=scores,
+    )
+
+
+def _rounds(spec: LoopSpec, target_state, assistant_state, state: DecodeState, inputs: LoopInputs,
+            max_rounds) -> DecodeState:
+    """Run rounds until every row is done, or `max_rounds` rounds have run (the state then resumes in a next call)."""
+    global _trace_count
+    _trace_count += 1
+    ctx = _context(spec, target_state, assistant_state, inputs)
+    size = state.tokens.shape[1]
+    k = spec.drafter.max_draft
+
+    def cond(carry):
+        state, rounds_run = carry
+        some_row_running = ~jnp.all(state.done)  # every row hit EOS or its budget
+        # Cache full: by construction (buffer >= prompt + budget + K + 1) this never fires; it guards the buffer
+        # bounds should that invariant ever be broken.
+        room_left = jnp.all(state.done | (state.lengths + k < size))
+        within_dispatch = rounds_run < max_rounds  # a caller streaming output asked for control back
+        return some_row_running & room_left & within_dispatch
+
+    def body(carry):
+        state, rounds_run = carry
+        return _round(spec, ctx, state), rounds_run + 1
+
+    state, _ = jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
+    return state
+
+
+def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
+    drafter, k = spec.drafter, spec.drafter.max_draft
+    rng, draft_rng, verify_rng = jax.random.split(state.rng, 3)
+    step = drafter.draft(ctx, state, state.drafter, draft_rng)
+    count = jnp.where(state.done, 0, jnp.minimum(step.draft.count, k))  # [B]
+    checked, cache = _verify_round(spec, ctx, state, step, count, verify_rng)
+    n, verified = checked.accepted, checked.tokens
+
+    rows = jnp.arange(count.shape[0])
+    committed, hit_eos = _commit_counts(ctx, verified, n, state.lengths, state.budget_end)
+    committed = jnp.where(state.done, 0, committed)
+    index = jnp.arange(k + 1)[None, :]
+    write_positions = jnp.where(index < committed[:, None], state.lengths[:, None] + index, state.tokens.shape[1])
+    tokens = state.tokens.at[rows[:, None], write_positions].set(verified, mode="drop")
+    lengths = state.lengths + committed
+    done = state.done | (hit_eos & (committed > 0)) | (lengths >= state.budget_end)
+    scores = state.scores
+    if scores is not None:  # each committed token's processed logits, at its index among the row's new tokens
+        slots = jnp.where(index < committed[:, None], state.lengths[:, None] - state.prompt_lengths[:, None] + index,
+                          scores.shape[1])
+        scores = scores.at[rows[:, None], slots].set(checked.processed, mode="drop")
+
+    result = RoundResult(drafted=count, accepted=n, committed=committed, tokens=verified, hidden=checked.hidden,
+                         lengths=lengths)
+    drafter_state = drafter.update(ctx, step.state, result)
+    active = ~state.done
+    c = state.counters
+    counters = Counters(
+        rounds=c.rounds + 1,
+        draft_forwards=c.draft_forwards + step.forwards,
+        drafted=c.drafted + jnp.where(active, count, 0),
+        accepted=c.accepted + jnp.where(active, n, 0),
+        accepted_hist=c.accepted_hist + (active[:, None] & (jnp.arange(k + 1)[None, :] == n[:, None])),
+    )
+    return dataclasses.replace(
+        state, tokens=tokens, lengths=lengths, done=done, cache=cache, drafter=drafter_state, rng=rng, counters=counters,
+        scores=scores,
+    )
+
+
+def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftStep, count,
+                  rng) -> tuple[VerifyResult, Any]:
+    """The target scores `[last, d_1 .. d_W-1]` and verify decides: -> (VerifyResult, the target cache).
+
+    The block width W is chosen at run time among `spec.verify_widths`, so a round with few drafts does not pay
+    for K. A round without drafts is a plain step at width 1. Each width runs its forward, its processors and
+    verification at W positions, and only the small results (tokens, hidden states) are padded to K+1: padding
+    the [B, W, V] logits instead, to process and verify once at K+1, moved and reduced K+1 positions of the
+    vocabulary every round (6.7 MB a round at K=10 on Qwen's 151,936 tokens) however few drafts it held.
+    """
+    drafter, k = spec.drafter, spec.drafter.max_draft
+    draft, drafter_state = step.draft, step.state
+    batch = count.shape[0]
+    rows = jnp.arange(batch)
+
+    def to_k1(x):  # [B, W, ...] -> [B, K+1, ...], zero past W (positions no row commits)
+        return jnp.pad(x, ((0, 0), (0, k + 1 - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+
+    def plain_step(cache):
+        positions = state.lengths[:, None] - 1  # [B, 1]
+        logits, hidden, cache = drafter.target_forward(ctx, state.last_token[:, None], positions, cache, drafter_state)
+        processed = ctx.process(logits, state.tokens, state.lengths, state.prompt_lengths)  # [B, 1, V]
+        token = select(rng, processed[:, 0], spec.do_sample)
+        verified = jnp.zeros((batch, k + 1), jnp.int32).at[:, 0].set(token)
+        kept = to_k1(processed) if spec.return_logits else None
+        return cache, VerifyResult(jnp.zeros((batch,), jnp.int32), verified, to_k1(hidden), kept)
+
+    if k == 0:
+        cache, checked = plain_step(step.target_cache)
+        return checked, cache
+
+    def verify_block(width: int, cache):
+        drafts = draft.tokens[:, : width - 1]  # [B, W-1]: every row's count is at most W-1
+        block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, W]
+        positions = state.lengths[:, None] - 1 + jnp.arange(width)[None, :]
+        logits, hidden, cache = drafter.target_forward(ctx, block, positions, cache, drafter_state)
+        # Position j judges draft j+1 with the prefix it extends: committed tokens, then d_1 .. d_j.
+        draft_positions = state.lengths[:, None] + jnp.arange(width - 1)[None, :]
+        with_drafts = state.tokens.at[rows[:, None], draft_positions].set(drafts, mode="drop")
+        processed = ctx.process(logits, with_drafts, state.lengths, state.prompt_lengths)  # [B, W, V]
+        probs = None if draft.probs is None else draft.probs[:, : width - 1]
+        n, verified = verify(rng, processed, drafts, count, probs, spec.do_sample, spec.ensemble_weight)
+        kept = to_k1(processed) if spec.return_logits else None
+        return cache, VerifyResult(n, to_k1(verified), to_k1(hidden), kept)
+
+    def drafted_step(cache):
+        wide = [w for w in spec.verify_widths if w > 1]
+        index = jnp.searchsorted(jnp.asarray(wide), jnp.max(count) + 1)
+        return inplace.switch(index, [functools.partial(verify_block, w) for w in wide], cache)
+
+    # The cache is the only state the branches update (in place: see jaxspec.inplace).
+    cache, checked = inplace.cond(jnp.max(count) > 0, drafted_step, plain_step, step.target_cache)
+    return checked, cache
+
+
+def _commit_counts(ctx: Context, verified, n, lengths, budget_end):
+    """Tokens each row appends: the n accepted drafts + 1, cut at the budget and just after the first EOS."""
+    index = jnp.arange(verified.shape[1])[None, :]
+    committed = jnp.minimum(n + 1, budget_end - lengths)  # [B]
+    is_eos = ctx.is_eos(verified) & (index < committed[:, None])  # [B, K+1]
+    first_eos = jnp.argmax(is_eos, axis=1)
+    hit_eos = jnp.any(is_eos, axis=1)
+    return jnp.where(hit_eos, first_eos + 1, committed), hit_eos

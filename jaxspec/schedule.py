@@ -1,0 +1,160 @@
+"""The draft-length schedules every drafter shares, and the cost model the adaptive one decides with.
+
+A row's draft length follows what verification accepted. The adaptive schedule prices each verify width (in plain
+decoding steps) and each draft, and drafts the length with the most expected tokens per cost; jaxspec/costs.py
+measures those prices on the decoding machine. See docs/design.md, 'The adaptive schedule'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    from .strategies.base import RoundResult
+
+SCHEDULES = ("adaptive", "constant", "heuristic", "heuristic_transient")
+# Adaptive schedule: a row that keeps missing stops drafting for 1, 2, 4, ... rounds, at most this many.
+MAX_COOLDOWN = 32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftLength:
+    """Each row's draft-length schedule state."""
+
+    num_tokens: jax.Array  # [B] the row's draft length (constant, heuristic), or the adaptive schedule's last choice
+    misses: jax.Array  # [B] adaptive: probes in a row that accepted nothing
+    cooldown: jax.Array  # [B] adaptive: rounds until the next probe, while drafting does not pay
+    accepted: jax.Array  # [B] float, adaptive: decayed count of accepted drafts (prior pseudo-counts included)
+    judged: jax.Array  # [B] float, adaptive: decayed count of drafts verification judged (accepted or the rejected one)
+
+
+def verify_widths(max_draft: int) -> tuple[int, ...]:
+    """The static widths a verify block may have: 1, the powers of two below K + 1, and K + 1. Each compiles once
+    (jaxspec.generate picks the narrowest that holds a round's drafts)."""
+    k1 = max_draft + 1
+    return tuple(sorted({1, k1} | {2**i for i in range(k1.bit_length()) if 2**i < k1}))
+
+
+def default_verify_costs(widths: tuple[int, ...]) -> tuple[float, ...]:
+    """The cost of a verify block of each width, in plain decoding steps (width 1 = 1), where costs are not
+    measured (`JAXSPEC_STEP_COSTS=default`, sharded runs; jaxspec/costs.py measures them otherwise).
+
+    On a CPU the second token costs most: a plain step streams the weights through matrix-vector products, while a
+    block of two rows runs a matrix-multiply kernel; the default errs on the dear side of what
+    `python benchmarks/bench_verify_width.py` measures. On accelerators a few extra tokens are nearly free while
+    decoding is memory-bound. See docs/design.md, 'Verify widths and the CPU head copy'."""
+    if jax.default_backend() == "cpu":
+        return tuple(1.0 if w == 1 else 1.2 + 0.05 * (w - 2) for w in widths)
+    return tuple(1.0 + 0.02 * (w - 1) for w in widths)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How a row's draft length follows what verification accepted.
+
+    - "adaptive" (jaxspec's default for every drafter): each row keeps a decayed estimate of the probability that a
+      draft is accepted (its `accepted` / `judged` counts, with a prior). Each round it drafts the number of tokens
+      that maximises expected tokens per cost: a block of d drafts commits (1 - a^(d+1)) / (1 - a) tokens on average
+      and costs `verify_costs` of its width plus `draft_cost` per draft (drafting-model steps, in target steps). When
+      no length beats a plain step, the row does not draft, except for a one-draft probe after 1, 2, 4, ... up to
+      MAX_COOLDOWN rounds (doubling while probes miss; `probe_spacing` times longer for drafters whose probe costs
+      more), so that text which starts to repeat is noticed. On text the drafter cannot predict, drafting therefore
+      costs one cheap probe every ~33 rounds; on text it predicts, rows draft the length that pays best.
+    - "constant": always K (HF's default for assistants, and what HF's prompt lookup does).
+    - "heuristic" / "heuristic_transient": HF's rule, +2 after a round in which every draft was accepted (a round
+      without drafts counts, as in HF), else -1, never below 1, capped by K.
+    """
+
+    kind: str = "adaptive"
+    # The first round's draft length (1..K) of constant and heuristic schedules. A run-time input of the loop
+    # (`Drafter.runtime_inputs`), not part of the compiled program: HF's "heuristic" schedule changes it every call.
+    initial: int = dataclasses.field(default=1, compare=False)
+    widths: tuple[int, ...] = ()  # the verify widths of the loop (adaptive); () means the cap alone decides
+    verify_costs: tuple[float, ...] = ()  # the cost of each width, in plain steps
+    draft_cost: float = 0.0  # the cost of proposing one draft, in plain steps (0 for copied drafts)
+
+    PRIOR_ACCEPTANCE = 0.6  # before any evidence, a row assumes this acceptance ...
+    PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
+    DECAY = 0.8  # evidence from each earlier drafting round counts this much less
+    PROBE_UNIT = 0.1  # probes that cost up to this (in plain steps) back off 1, 2, 4, ... MAX_COOLDOWN rounds
+
+    def init(self, batch: int, initial: jax.Array) -> DraftLength:
+        zeros = jnp.zeros((batch,), jnp.int32)
+        # The prior enters as pseudo-counts that decay like evidence: a row that keeps missing drives its estimate
+        # to zero (a fixed prior would keep it above the break-even of cheap verify blocks forever).
+        prior = jnp.full((batch,), self.PRIOR_WEIGHT, jnp.float32)
+        return DraftLength(num_tokens=jnp.full((batch,), initial, jnp.int32), misses=zeros, cooldown=zeros,
+                           accepted=self.PRIOR_ACCEPTANCE * prior, judged=prior)
+
+    @property
+    def probe_spacing(self) -> int:
+        """How many times longer than 1, 2, 4, ... rounds a row waits between probes: a probe that costs more than
+        PROBE_UNIT of a plain step (a draft plus a two-token verify block) comes that many times less often, so
+        that idle probing stays within a few percent for any drafter."""
+        if 2 not in self.widths:
+            return 1
+        probe_cost = self.verify_costs[self.widths.index(2)] - 1 + self.draft_cost
+        return max(1, math.ceil(probe_cost / self.PROBE_UNIT - 1e-9))
+
+    def acceptance(self, state: DraftLength) -> jax.Array:
+        """[B] each row's estimated probability that a draft is accepted."""
+        return state.accepted / state.judged
+
+    def allowed(self, state: DraftLength) -> jax.Array:
+        """[B] how many drafts each row may propose this round."""
+        if self.kind != "adaptive" or not self.widths:
+            return state.num_tokens
+        best = self.paying_length(state)
+        return jnp.where(best > 0, best, jnp.where(state.cooldown == 0, 1, 0))  # else a one-draft probe, at times
+
+    def probing(self, state: DraftLength) -> jax.Array:
+        """[B] bool: the row drafts this round only as a probe (adaptive: drafting does not pay, cooldown over)."""
+        if self.kind != "adaptive" or not self.widths:
+            return jnp.zeros(state.num_tokens.shape, bool)
+        return (self.paying_length(state) == 0) & (state.cooldown == 0)
+
+    def paying_length(self, state: DraftLength) -> jax.Array:
+        """[B] the draft length with the most expected tokens per cost (adaptive); 0 when drafting does not pay."""
+        drafts = jnp.asarray(self.widths, jnp.float32) - 1  # [N] the drafts each width holds
+        rate = jnp.clip(self.acceptance(state), 0.0, 0.999)[:, None]  # [B, 1]
+        expected = (1 - rate ** (drafts + 1)) / (1 - rate)  # [B, N] tokens a round commits
+        cost = jnp.asarray(self.verify_costs, jnp.float32) + self.draft_cost * drafts
+        return jnp.asarray(self.widths)[jnp.argmax(expected / cost, axis=-1)] - 1
+
+    def update(self, state: DraftLength, result: RoundResult, cap: int) -> DraftLength:
+        """`cap`: K, the static size of the draft buffer."""
+        active = result.committed > 0  # finished rows keep their state
+        if self.kind == "constant":
+            return state
+        if self.kind in ("heuristic", "heuristic_transient"):
+            grown = jnp.where(result.accepted == result.drafted, state.num_tokens + 2,
+                              jnp.maximum(state.num_tokens - 1, 1))
+            return dataclasses.replace(state, num_tokens=jnp.where(active, jnp.minimum(grown, cap),
+                                                                   state.num_tokens))
+        tried = active & (result.drafted > 0)
+        judged = result.accepted + (result.accepted < result.drafted)  # the accepted ones, then the rejected one
+        accepted = jnp.where(tried, self.DECAY * state.accepted + result.accepted, state.accepted)
+        judged = jnp.where(tried, self.DECAY * state.judged + judged, state.judged)
+        probed = tried & (result.drafted == 1) & (state.cooldown == 0)  # only a probe can draft one while idle
+        missed = probed & (result.accepted == 0)
+        misses = jnp.where(missed, state.misses + 1, jnp.where(tried & (result.accepted > 0), 0, state.misses))
+        backoff = jnp.minimum(jnp.left_shift(1, jnp.clip(misses - 1, 0, 8)), MAX_COOLDOWN) * self.probe_spacing
+        cooldown = jnp.where(missed, backoff,
+                             jnp.where(active & ~tried, jnp.maximum(state.cooldown - 1, 0), state.cooldown))
+        num_tokens = jnp.where(tried, result.drafted, state.num_tokens)
+        return DraftLength(num_tokens=num_tokens, misses=misses, cooldown=cooldown, accepted=accepted, judged=judged)
+
+
+def make_schedule(kind: str, initial: int, max_draft: int, draft_cost: float) -> Schedule:
+    """A schedule; the adaptive one gets the loop's verify widths, their default costs and the cost of one draft."""
+    if kind != "adaptive":
+        return Schedule(kind, initial=initial)
+    widths = verify_widths(max_draft)
+    return Schedule(kind, initial=initial, widths=widths, verify_costs=default_verify_costs(widths),
+                    draft_cost=round(float(draft_cost), 3))

@@ -1,0 +1,97 @@
+"""Step costs measured on the machine (jaxspec/costs.py): what the adaptive schedule prices drafts with."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec import costs
+from jaxspec.strategies import DraftingConfig, choose_strategy
+
+
+@pytest.fixture
+def measuring(tmp_path, monkeypatch):
+    """Users' setting (measure), with the cache file in a fresh folder."""
+    monkeypatch.setenv("JAXSPEC_STEP_COSTS", "measure")
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama_dir, tiny_llama_draft_dir):
+    return jaxspec.load(tiny_llama_dir), jaxspec.load(tiny_llama_draft_dir)
+
+
+def test_measured_costs_price_the_schedule_once_per_machine(measuring, pair, monkeypatch):
+    target, assistant = pair
+    choice = choose_strategy(target, DraftingConfig(assistant_model=assistant, num_assistant_tokens=4), do_sample=False)
+    assert choice.drafter.schedule.widths == (1, 2, 4, 5)
+    priced = costs.price_schedule(choice.drafter, target, choice.assistant)
+
+    stored = json.loads((measuring / costs.CACHE_FILE).read_text())
+    verify = {int(key.rsplit("|", 1)[1]): ms for key, ms in stored.items() if "|verify|" in key}
+    draft = [ms for key, ms in stored.items() if "|draft|" in key]
+    assert sorted(verify) == [1, 2, 5] and len(draft) == 1  # width 4 is interpolated, not compiled
+    schedule = priced.schedule
+    assert schedule.verify_costs[0] == 1.0
+    assert schedule.verify_costs[1] == pytest.approx(verify[2] / verify[1], abs=0.006)
+    assert schedule.verify_costs[3] == pytest.approx(verify[5] / verify[1], abs=0.006)
+    assert schedule.draft_cost == pytest.approx(draft[0] / verify[1], abs=0.0006)
+
+    # The next call reads the file: nothing is timed again.
+    def no_timing(*args, **kwargs):
+        raise AssertionError("step costs were measured again")
+
+    monkeypatch.setattr(costs, "time_forwards", no_timing)
+    assert costs.price_schedule(choice.drafter, target, choice.assistant) == priced
+
+
+def test_remeasure_overwrites_and_widths_between_are_interpolated(measuring, pair, monkeypatch):
+    target, assistant = pair
+    choice = choose_strategy(target, DraftingConfig(assistant_model=assistant, num_assistant_tokens=4), do_sample=False)
+    costs.price_schedule(choice.drafter, target, choice.assistant)  # stored
+    timed = {True: {1: 10.0, 2: 16.0, 5: 22.0}, False: {1: 4.0}}  # target (verifying), assistant (drafting)
+    monkeypatch.setattr(costs, "time_forwards",
+                        lambda model, widths, head=None: {w: timed[model is target][w] for w in widths})
+    monkeypatch.setenv("JAXSPEC_STEP_COSTS", "remeasure")
+    schedule = costs.price_schedule(choice.drafter, target, choice.assistant).schedule
+    # Width 4 lies two thirds of the way from 2 to 5: 16 + (22 - 16) * 2 / 3 = 20 ms.
+    assert schedule.verify_costs == (1.0, 1.6, 2.0, 2.2)
+    assert schedule.draft_cost == 0.4
+    monkeypatch.setenv("JAXSPEC_STEP_COSTS", "measure")  # the file now holds the new figures
+    assert costs.price_schedule(choice.drafter, target, choice.assistant).schedule == schedule
+
+
+def test_what_measurement_leaves_alone(measuring, pair, monkeypatch):
+    target, assistant = pair
+    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, head=None: {w: 10.0 + w for w in widths})
+    lookup = choose_strategy(target, DraftingConfig(prompt_lookup_num_tokens=4), do_sample=False).drafter
+    priced = costs.price_schedule(lookup, target, None).schedule
+    assert priced.draft_cost == 0.0 and priced.verify_costs == (1.0, 1.09, 1.27, 1.36)  # copied drafts cost nothing
+    early_exit = choose_strategy(target, DraftingConfig(assistant_early_exit=2), do_sample=False).drafter
+    assert costs.price_schedule(early_exit, target, None).schedule.draft_cost == early_exit.schedule.draft_cost
+    constant = choose_strategy(target, DraftingConfig(assistant_model=assistant,
+                                                      num_assistant_tokens_schedule="constant"), do_sample=False).drafter
+    assert costs.price_schedule(constant, target, assistant) is constant  # nothing to price
+    monkeypatch.setenv("JAXSPEC_STEP_COSTS", "default")
+    assert costs.price_schedule(lookup, target, None) is lookup
+
+
+def test_generate_measures_costs_and_still_equals_plain_greedy(measuring, pair):
+    target, assistant = pair
+    ids = np.array([[5, 17, 29, 41, 53, 65, 77, 89]], np.int32)
+    plain = jaxspec.generate(target, ids, max_new_tokens=12)
+    assisted = jaxspec.generate(target, ids, max_new_tokens=12, assistant_model=assistant)
+    np.testing.assert_array_equal(assisted.sequences, plain.sequences)
+    assert (measuring / costs.CACHE_FILE).exists()
+
+
+def test_a_misspelt_mode_is_named_before_anything_compiles(measuring, pair, monkeypatch):
+    target, assistant = pair
+    monkeypatch.setenv("JAXSPEC_STEP_COSTS", "measured")
+    monkeypatch.setattr(costs, "time_forwards", lambda *args, **kwargs: pytest.fail("timed with a bad mode"))
+    with pytest.raises(ValueError, match="JAXSPEC_STEP_COSTS='measured' is not one of measure, default"):
+        jaxspec.generate(target, np.array([[5, 17, 29]], np.int32), max_new_tokens=4, assistant_model=assistant)

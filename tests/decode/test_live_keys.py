@@ -1,0 +1,105 @@
+"""Attention reads only the cache prefix that holds live keys (`jaxspec.models.layers.attend_live`): the same
+attention as over the whole cache, and decoding across prefix boundaries equals transformers."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jaxspec
+from jaxspec.models import layers as L
+from tests.fixtures import hf_models
+
+
+def test_key_extents_double_from_the_minimum_to_the_cache_size():
+    assert L.key_extents(1024) == (1024,)  # shorter than PREFIX_FROM: read whole
+    assert L.key_extents(2048) == (512, 1024, 2048)
+    assert L.key_extents(2560) == (512, 1024, 2048, 2560)
+
+
+@pytest.fixture
+def small_prefixes(monkeypatch):
+    """Prefixes from 128 entries in caches from 256: tiny models exercise the switch at sizes that run fast."""
+    monkeypatch.setattr(L, "PREFIX_FROM", 256)
+    monkeypatch.setattr(L, "MIN_KEY_EXTENT", 128)
+
+
+@pytest.fixture
+def fresh_executables():
+    """Compiled loops are dropped before and after, so no executable crosses a change of the prefixes."""
+    from jaxspec import loop
+    loop._compiled.clear()
+    jax.clear_caches()
+    yield
+    loop._compiled.clear()
+    jax.clear_caches()
+
+
+ATTENTIONS = {
+    "causal": (L.cached_attention, ()),
+    "from position 3": (L.cached_attention_window, (3,)),
+    "window 40, soft-capped": (L.windowed_attention, (40, 5.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(ATTENTIONS))
+@pytest.mark.parametrize("last", [[9, 100], [120, 200], [300, 599], [599, 700]], ids=lambda p: f"to{max(p)}")
+def test_attention_over_the_live_prefix_equals_attention_over_the_whole_cache(small_prefixes, name, last):
+    """Rows at different positions, three queries each, a stacked cache read at a layer and a single one; the last
+    case has a padding row past the cache (its writes are dropped), which takes the whole cache."""
+    attend, args = ATTENTIONS[name]
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, 3, 4, 8))  # [B, T, H, Dh]
+    k_cache = jax.random.normal(keys[1], (2, 2, 600, 2, 8))  # [L, B, S, K, Dh]
+    v_cache = jax.random.normal(keys[2], (2, 2, 600, 2, 8))
+    positions = jnp.asarray(last)[:, None] + jnp.arange(-2, 1)[None, :]  # [B, T]
+    expected = attend(q, k_cache[1], v_cache[1], positions, 0.3, *args)
+    stacked = jax.jit(functools.partial(L.attend_live, attend, layer=1))(q, k_cache, v_cache, positions, 0.3, *args)
+    single = jax.jit(functools.partial(L.attend_live, attend))(q, k_cache[1], v_cache[1], positions, 0.3, *args)
+    np.testing.assert_allclose(stacked, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(single, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("last, extent", [(100, 128), (128, 128), (129, 256), (300, 512)])
+def test_entries_past_the_chosen_prefix_are_not_read(small_prefixes, last, extent):
+    """NaNs past the prefix would poison attention over the whole cache (masked weights are 0, and 0 * NaN is NaN);
+    attention over the prefix never sees them."""
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (1, 2, 4, 8))
+    k_cache = jax.random.normal(keys[1], (1, 600, 2, 8)).at[:, extent:].set(jnp.nan)
+    v_cache = jax.random.normal(keys[2], (1, 600, 2, 8)).at[:, extent:].set(jnp.nan)
+    positions = jnp.asarray([[last - 2, last - 1]])
+    assert np.isnan(L.cached_attention(q, k_cache, v_cache, positions, 0.3)).all()
+    out = jax.jit(functools.partial(L.attend_live, L.cached_attention))(q, k_cache, v_cache, positions, 0.3)
+    expected = L.cached_attention(q, k_cache[:, :extent], v_cache[:, :extent], positions, 0.3)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def ragged(rows):
+    width = max(map(len, rows))
+    ids = np.zeros((len(rows), width), np.int64)
+    mask = np.zeros((len(rows), width), np.int64)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_decoding_across_prefix_boundaries_equals_transformers(fresh_executables, small_prefixes, tmp_path, family):
+    """Two rows decode from 100 and 20 tokens to 260 positions: attention moves from a 128- to a 256- to a 512-entry
+    prefix; a sliding-window family checks windowed layers too. Prompt lookup equals plain greedy."""
+    save = hf_models.save_tiny_gemma if family.startswith("gemma") else hf_models.save_tiny
+    folder = save(family, tmp_path, seed=5, max_position_embeddings=1024)
+    ids, mask = ragged([[3 + (11 * i) % 90 for i in range(100)], list(range(30, 50))])
+    expected = hf_models.load_hf(folder).generate(torch.tensor(ids), attention_mask=torch.tensor(mask),
+                                                  max_new_tokens=160, do_sample=False).numpy()
+    model = jaxspec.load(folder)
+    out = jaxspec.generate(model, ids, mask, max_new_tokens=160)
+    np.testing.assert_array_equal(out.sequences, expected)
+    lookup = jaxspec.generate(model, ids, mask, max_new_tokens=160, prompt_lookup_num_tokens=4)
+    np.testing.assert_array_equal(lookup.sequences, expected)

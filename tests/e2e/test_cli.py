@@ -1,0 +1,60 @@
+"""The generate CLI (jaxspec/cli/generate.py; scripts/generate.py runs it) end to end on a tiny model with a tokenizer:
+text, counters and --json output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.fixtures import hf_models
+from tests.fixtures.text import tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def cli():
+    from jaxspec.cli import generate
+
+    return generate
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = hf_models.save_tiny("llama", tmp_path_factory.mktemp("cli"), seed=0)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def no_compilation_cache(monkeypatch):
+    monkeypatch.setenv("JAXSPEC_COMPILATION_CACHE", "off")
+
+
+@pytest.mark.parametrize("strategy_args", [[], ["--strategy", "prompt_lookup", "--compare-plain"],
+                                           ["--strategy", "early_exit", "--assistant-early-exit", "2"]])
+def test_json_output(cli, folder, capsys, strategy_args):
+    code = cli.main(["--model", folder, "--prompt", "w5 w6 w7 w5 w6", "--max-new-tokens", "6", "--json",
+                     *strategy_args])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert 1 <= len(report["new_ids"]) <= 6 and isinstance(report["text"], str)
+    assert report["target_forwards"] >= 1 and "acceptance_rate" in report
+    if "--compare-plain" in strategy_args:
+        assert report["same_tokens_as_plain"] is True
+
+
+def test_text_output_shows_counters(cli, folder, capsys):
+    assert cli.main(["--model", folder, "--prompt", "w5 w6", "--max-new-tokens", "4", "--do-sample", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "tok/s" in out and "target forwards" in out
+
+
+def test_speculative_needs_an_assistant(cli, folder):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--model", folder, "--strategy", "speculative"])
+
+
+def test_assistant_quantization_needs_an_assistant(cli, folder, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--model", folder, "--strategy", "prompt_lookup", "--assistant-quantization", "int8"])
+    assert "--assistant-quantization quantizes the --assistant of a strategy that drafts with one" in capsys.readouterr().err

@@ -1,0 +1,61 @@
+"""Properties every strategy must keep, checked for each one: bfloat16 greedy identity and sharded == unsharded."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jaxspec
+from tests.fixtures.moe import FAMILIES, save_checkpoint
+from tests.fixtures.prompts import PROMPTS
+
+N = 20
+STRATEGIES = {
+    "prompt_lookup": dict(prompt_lookup_num_tokens=4),
+    "early_exit": dict(assistant_early_exit=2, num_assistant_tokens=3, assistant_confidence_threshold=0.0),
+    "speculative": "assistant",
+    "mtp": dict(use_mtp=True),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_llama_dir, tiny_llama_draft_dir, tmp_path_factory):
+    mtp = save_checkpoint("glm4_moe", str(tmp_path_factory.mktemp("glm")), 2, 2, FAMILIES["glm4_moe"], seed=2)
+    return {"target": tiny_llama_dir, "draft": tiny_llama_draft_dir, "mtp": mtp}
+
+
+def strategy_call(name, folders, dtype):
+    """(target, generate kwargs) of a strategy, with models loaded at `dtype`."""
+    target = jaxspec.load(folders["mtp" if name == "mtp" else "target"], dtype=dtype)
+    kwargs = STRATEGIES[name]
+    if kwargs == "assistant":
+        kwargs = dict(assistant_model=jaxspec.load(folders["draft"], dtype=dtype), num_assistant_tokens=3,
+                      assistant_confidence_threshold=0.0)
+    return target, kwargs
+
+
+# The default suite checks bfloat16 on the two strategies whose drafters run forwards of their own (MTP, an
+# assistant); prompt lookup and early exit run in the slow suite.
+@pytest.mark.parametrize("name", [name if name in ("mtp", "speculative") else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in sorted(STRATEGIES)])
+def test_bfloat16_greedy_equals_plain_greedy(folders, name):
+    target, kwargs = strategy_call(name, folders, jnp.bfloat16)
+    plain = jaxspec.generate(target, PROMPTS, max_new_tokens=N)
+    out = jaxspec.generate(target, PROMPTS, max_new_tokens=N, **kwargs)
+    np.testing.assert_array_equal(out.sequences, plain.sequences)
+    assert out.drafted.sum() > 0
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_2x2_mesh_equals_one_device(folders, name):
+    assert len(jax.devices()) >= 4, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    target, kwargs = strategy_call(name, folders, jnp.float32)
+    rows = PROMPTS + [[7, 7, 7, 1]]
+    single = jaxspec.generate(target, rows, max_new_tokens=N, **kwargs)
+    sharded = jaxspec.generate(target, rows, max_new_tokens=N, mesh=mesh, **kwargs)
+    np.testing.assert_array_equal(sharded.sequences, single.sequences)
+    np.testing.assert_array_equal(sharded.accepted_hist, single.accepted_hist)  # the same rounds, not just output

@@ -1,0 +1,327 @@
+"""Speculative decoding with an assistant model: greedy invariance, what the strategy did against transformers,
+extremes, the schedules, exact sampling, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import jaxspec
+from jaxspec.schedule import Schedule, default_verify_costs
+from jaxspec.strategies.base import RoundResult
+from tests.fixtures import hf_models, oracles
+from tests.fixtures.prompts import PROMPTS, left_padded
+
+from jaxspec import loop
+N = 40
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    return jaxspec.load(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_llama_draft_dir):
+    return jaxspec.load(tiny_llama_draft_dir)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    ids, mask = left_padded(PROMPTS)
+    return jaxspec.generate(target, ids, mask, max_new_tokens=N).sequences
+
+
+@pytest.mark.parametrize("k, schedule, threshold", [
+    (1, "constant", 0.0), (4, "constant", 0.4), pytest.param(8, "heuristic", 0.0, marks=pytest.mark.slow),
+    (4, "heuristic_transient", 0.4),
+    (4, "adaptive", 0.0), (8, "adaptive", 0.4),
+])
+def test_greedy_equals_plain_greedy(target, draft, plain, k, schedule, threshold):
+    ids, mask = left_padded(PROMPTS)
+    out = jaxspec.generate(target, ids, mask, max_new_tokens=N, assistant_model=draft, num_assistant_tokens=k,
+                           num_assistant_tokens_schedule=schedule, assistant_confidence_threshold=threshold)
+    np.testing.assert_array_equal(out.sequences, plain)
+    assert out.drafted.sum() > 0
+
+
+@pytest.mark.parametrize("k", [2, pytest.param(5, marks=pytest.mark.slow)])
+def test_rounds_equal_a_replay_with_transformers_models(tiny_llama_dir, tiny_llama_draft_dir, target, draft, k):
+    """Each round's accepted count equals what HF's assistant drafts and HF's target accepts from the same
+    committed sequence: the assistant really drafts, and its drafts are the right ones."""
+    hf_target, hf_draft = hf_models.load_hf(tiny_llama_dir), hf_models.load_hf(tiny_llama_draft_dir)
+    for prompt in PROMPTS:
+        accepted = oracles.replay_rounds(hf_target, oracles.assistant_drafts(hf_draft, k), prompt, N, eos=2)
+        out = jaxspec.generate(target, [prompt], max_new_tokens=N, assistant_model=draft, num_assistant_tokens=k,
+                               num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+        assert out.rounds == len(accepted) and out.target_forwards == 1 + len(accepted)
+        assert out.accepted_hist.sum(0).tolist() == oracles.histogram(accepted, k)
+
+
+@pytest.mark.parametrize("k, schedule, threshold", [(3, "constant", 0.0), (5, "constant", 0.4),
+                                                    (2, "heuristic_transient", 0.0)])
+def test_greedy_equals_transformers_assisted_generate(tiny_llama_dir, tiny_llama_draft_dir, target, draft, k,
+                                                      schedule, threshold):
+    hf_target, hf_draft = hf_models.load_hf(tiny_llama_dir), hf_models.load_hf(tiny_llama_draft_dir)
+    hf_draft.generation_config.num_assistant_tokens = k
+    hf_draft.generation_config.num_assistant_tokens_schedule = schedule
+    hf_draft.generation_config.assistant_confidence_threshold = threshold
+    for prompt in PROMPTS:
+        expected = hf_target.generate(torch.tensor([prompt]), assistant_model=hf_draft, max_new_tokens=N,
+                                      do_sample=False).numpy()
+        out = jaxspec.generate(target, [prompt], max_new_tokens=N, assistant_model=draft, num_assistant_tokens=k,
+                               num_assistant_tokens_schedule=schedule, assistant_confidence_threshold=threshold)
+        np.testing.assert_array_equal(out.sequences[:, : expected.shape[1]], expected)
+
+
+def test_settings_come_from_the_assistant_generation_config(tiny_llama_draft_dir, target, plain):
+    draft = jaxspec.load(tiny_llama_draft_dir)
+    draft.generation_config.update(num_assistant_tokens=3, assistant_confidence_threshold=0.0,
+                                   num_assistant_tokens_schedule="constant")
+    ids, mask = left_padded(PROMPTS)
+    out = jaxspec.generate(target, ids, mask, max_new_tokens=N, assistant_model=draft)
+    assert out.accepted_hist.shape[1] == 4  # K = 3 from the assistant's generation_config
+    out = jaxspec.generate(target, ids, mask, max_new_tokens=N, assistant_model=draft, num_assistant_tokens=5)
+    assert out.accepted_hist.shape[1] == 6  # an argument passed to generate wins
+    np.testing.assert_array_equal(out.sequences, plain)
+
+
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 4])
+def test_identical_assistant_accepts_every_draft(target, k):
+    ids, mask = left_padded(PROMPTS)
+    out = jaxspec.generate(target, ids, mask, max_new_tokens=N, assistant_model=target, num_assistant_tokens=k,
+                           num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0,
+                           eos_token_id=[])
+    plain = jaxspec.generate(target, ids, mask, max_new_tokens=N, eos_token_id=[])
+    np.testing.assert_array_equal(out.sequences, plain.sequences)
+    assert (out.accepted == out.drafted).all()
+    # One prefill makes the first token; each round then commits K drafts + 1 bonus token.
+    assert out.target_forwards == 1 + math.ceil((N - 1) / (k + 1))
+
+
+def test_always_wrong_assistant_accepts_nothing_and_backs_off(tiny_llama_dir, target):
+    wrong = jaxspec.load(tiny_llama_dir)
+    wrong.module.lm_head[...] = -wrong.module.lm_head[...]  # drafts the target's least likely token
+    ids, mask = left_padded(PROMPTS)
+    common = dict(max_new_tokens=N, assistant_model=wrong, num_assistant_tokens=4, assistant_confidence_threshold=0.0,
+                  eos_token_id=[])
+    plain = jaxspec.generate(target, ids, mask, max_new_tokens=N, eos_token_id=[]).sequences
+    constant = jaxspec.generate(target, ids, mask, num_assistant_tokens_schedule="constant", **common)
+    np.testing.assert_array_equal(constant.sequences, plain)
+    # Every round commits one token and drafts K, or what the budget leaves room for.
+    assert constant.accepted.sum() == 0 and (constant.drafted == sum(min(4, N - 1 - c) for c in range(1, N))).all()
+    adaptive = jaxspec.generate(target, ids, mask, **common)
+    np.testing.assert_array_equal(adaptive.sequences, plain)
+    # The adaptive schedule drafts 4, then 1, then backs off: 1, 2, 4, ... rounds without drafting.
+    assert adaptive.accepted.sum() == 0 and (adaptive.drafted <= 4 + 6).all()
+    assert adaptive.draft_forwards < constant.draft_forwards / 5
+
+
+@pytest.mark.parametrize("behind, blocks", [((1, 1), [1]), ((2, 1), [2]), ((12, 2), [16]), ((5, 1), [8]),
+                                            ((40, 3), [64]), ((70, 9), [64, 8])])
+def test_catch_up_reads_a_gap_in_the_narrowest_block_that_covers_it(target, behind, blocks):
+    """A row that sat out rounds catches up in the narrowest block that covers its gap (12 tokens: one block of 16,
+    not a chunk-wide block of 64, nor several of 8), and after a round that ended in a rejection (one token behind)
+    in a one-token block; the logits and cache entries equal a forward over the whole sequence."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.strategies.draft_model import catch_up, catch_up_widths
+
+    model, size, synced = target.module, 96, np.array([5, 20], np.int32)
+    lengths = synced + np.array(behind, np.int32)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, target.config.vocab_size, (2, size)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(size), (2, size))
+    full_logits, _, full_cache = model(tokens, positions, model.init_cache(2, size))
+    # The cache holds [0, synced) of each row; past it, garbage that the catch-up must overwrite before reading.
+    held = (np.arange(size)[None, :] < synced[:, None])[None, :, :, None, None]  # [1, B, S, 1, 1]
+    stale = type(full_cache)(k=jnp.where(held, full_cache.k, 7.0), v=jnp.where(held, full_cache.v, -7.0))
+
+    widths_run = []
+
+    class Recording:  # the model, noting the width of each block it runs
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def __call__(self, block, block_positions, cache):
+            jax.debug.callback(lambda: widths_run.append(block.shape[1]), ordered=True)
+            return model(block, block_positions, cache)
+
+    logits, cache, count = catch_up(Recording(), tokens, jnp.asarray(synced), jnp.asarray(lengths), stale,
+                                    catch_up_widths(64))
+    jax.effects_barrier()
+    assert widths_run == blocks and int(count) == len(blocks)
+    # The LM head runs on each row's last hidden state only: no block computes logits for all its positions.
+    compiled = jax.jit(lambda *a: catch_up(model, *a, catch_up_widths(64))).lower(
+        tokens, jnp.asarray(synced), jnp.asarray(lengths), stale).compile().as_text()
+    vocab = target.config.vocab_size
+    assert f"f32[2,{vocab}]" in compiled and not re.search(rf"f32\[2,\d+,{vocab}\]", compiled)
+    np.testing.assert_allclose(logits, full_logits[np.arange(2), lengths - 1], rtol=1e-4, atol=1e-4)
+    for row in range(2):
+        for mine, full in ((cache.k, full_cache.k), (cache.v, full_cache.v)):
+            np.testing.assert_allclose(mine[:, row, : lengths[row]], full[:, row, : lengths[row]], rtol=1e-4,
+                                       atol=1e-5)
+
+
+def run_schedule(schedule, copies, cap=7):
+    """One row through rounds in which every draft is accepted (copies[i] True) or none is; -> drafts allowed per
+    round."""
+    state, allowed = schedule.init(1, initial=cap), []
+    for copying in copies:
+        drafted = int(schedule.allowed(state)[0])
+        allowed.append(drafted)
+        result = RoundResult(drafted=np.array([drafted]), accepted=np.array([drafted if copying else 0]),
+                             committed=np.array([1]), tokens=None, hidden=None, lengths=None)
+        state = schedule.update(state, result, cap=cap)
+    return allowed
+
+
+CPU_COSTS = dict(widths=(1, 2, 4, 8), verify_costs=(1.0, 1.2, 1.3, 1.5))  # default_verify_costs on a CPU
+
+
+def test_cpu_verify_costs_are_the_defaults():
+    assert default_verify_costs(CPU_COSTS["widths"]) == pytest.approx(CPU_COSTS["verify_costs"])
+
+
+def test_adaptive_schedule_drafts_what_pays():
+    """Copying text: blocks grow to K. Text that does not copy: drafting stops, and one-draft probes come after 1, 2,
+    4, ... idle rounds. When copying resumes, a probe that hits brings drafting back. An expensive drafter needs
+    more evidence than a free one."""
+    free = Schedule("adaptive", draft_cost=0.0, **CPU_COSTS)
+    allowed = run_schedule(free, [True] * 4 + [False] * 60 + [True] * 40)
+    assert allowed[:4] == [3, 7, 7, 7]  # the prior (0.6) pays for 3 drafts; full acceptance makes K pay
+    idle = np.array(allowed[4:64])
+    probes = np.flatnonzero(idle[20:])  # once the estimate has decayed (cheap blocks keep one draft paying a while)
+    assert (idle[20:][probes] == 1).all() and len(probes) <= 5 and (idle[30:] > 0).sum() <= 3  # probes only ...
+    assert np.diff(probes).tolist() == sorted(np.diff(probes).tolist()) and max(np.diff(probes)) >= 16  # backing off
+    assert allowed[-1] == 7  # a probe hit once the text copied again, and blocks grew back
+    costly = Schedule("adaptive", draft_cost=0.5, **CPU_COSTS)
+    assert run_schedule(costly, [False])[0] == 1 and run_schedule(free, [False])[0] == 3
+    assert run_schedule(costly, [True] * 6)[-1] > 1  # hits make even an expensive drafter pay
+    # A probe of the costly drafter costs 0.7 plain steps (0.2 for the free one): the free one's back-off is twice
+    # the unit's (PROBE_UNIT = 0.1), the costly one's 7 times.
+    assert (free.probe_spacing, costly.probe_spacing) == (2, 7)
+    idle_free, idle_costly = (np.array(run_schedule(s, [False] * 200)[20:]) for s in (free, costly))
+    assert 0 < (idle_costly > 0).sum() < (idle_free > 0).sum()
+    assert (idle_costly > 0).sum() * 0.7 / len(idle_costly) < 0.02  # idle probing costs it under 2%
+    assert (idle_free > 0).sum() * 0.2 / len(idle_free) < 0.02
+
+
+def test_a_doubted_first_draft_counts_as_a_rejected_one():
+    """Under the adaptive schedule a drafter proposes nothing when it doubts its first token, yet it ran: that round
+    counts as one rejected draft, for an idle row's probe (a missed probe: cooldown) and for a row whose drafting pays
+    (its estimate falls), or a drafter that keeps doubting would run every round and learn nothing. A row that did not
+    mean to draft (cooling down) is left alone. HF's schedules keep their rule and are left alone."""
+    from jaxspec.strategies.draft_model import AutoregressiveDrafter
+
+    costs = default_verify_costs((1, 2, 4, 8))
+    drafter = AutoregressiveDrafter(max_draft=7, schedule=Schedule("adaptive", draft_cost=0.3, widths=(1, 2, 4, 8),
+                                                                    verify_costs=costs))
+    state = drafter.schedule.init(3, np.int32(1))
+    # Row 0 idle and due to probe, row 1 drafting, row 2 idle and cooling down.
+    state = dataclasses.replace(state, accepted=np.array([0.0, 5.0, 0.0], np.float32),
+                                judged=np.array([5.0, 5.0, 5.0], np.float32), cooldown=np.array([0, 0, 3], np.int32))
+    assert drafter.schedule.probing(state).tolist() == [True, False, False]
+    assert drafter.schedule.allowed(state).tolist()[2] == 0
+    nothing = RoundResult(drafted=np.array([0, 0, 0]), accepted=np.array([0, 0, 0]), committed=np.array([1, 1, 1]),
+                          tokens=None, hidden=None, lengths=None)
+    after = drafter.update_length(state, nothing)
+    assert after.cooldown.tolist()[0] > 0 and after.misses.tolist()[0] == 1
+    # The drafting row judged one more draft and accepted none: 0.8 * 5 / (0.8 * 5 + 1).
+    assert drafter.schedule.acceptance(after)[1] == pytest.approx(0.8)
+    assert after.cooldown.tolist()[2] == 2 and after.misses.tolist()[2] == 0  # only the cooldown ticks
+    assert np.allclose(after.judged[2], 5.0)
+    hf = dataclasses.replace(drafter, schedule=Schedule("constant", initial=3))
+    assert drafter.drops_doubted_first and not hf.drops_doubted_first
+
+
+def test_heuristic_schedule_follows_transformers_rule():
+    """+2 after a round in which every draft was accepted (a round without drafts counts), else -1, never below 1."""
+    schedule = Schedule("heuristic")
+    state = schedule.init(1, initial=2)
+    seen = []
+    for drafted, accepted in [(2, 2), (4, 4), (6, 1), (5, 0), (4, 0), (3, 0), (2, 0), (1, 0), (0, 0), (3, 3)]:
+        result = RoundResult(drafted=np.array([drafted]), accepted=np.array([accepted]), committed=np.array([1]),
+                             tokens=None, hidden=None, lengths=None)
+        state = schedule.update(state, result, cap=8)
+        seen.append(int(state.num_tokens[0]))
+    assert seen == [4, 6, 5, 4, 3, 2, 1, 1, 3, 5]
+
+
+def test_heuristic_schedule_persists_without_recompiling(tiny_llama_dir, target):
+    same = jaxspec.load(tiny_llama_dir)
+    kwargs = dict(max_new_tokens=20, assistant_model=same, num_assistant_tokens_schedule="heuristic",
+                  assistant_confidence_threshold=0.0, eos_token_id=[])
+    same.generation_config["num_assistant_tokens"] = 2
+    jaxspec.generate(target, [[5, 6, 7]], **kwargs)
+    before, lengths = loop.trace_count(), []
+    for _ in range(3):
+        jaxspec.generate(target, [[5, 6, 7]], **kwargs)
+        lengths.append(same.generation_config["num_assistant_tokens"])
+    assert lengths[0] > 2 and lengths == sorted(lengths)  # grew, and carried over, as HF's "heuristic" does
+    assert max(lengths) <= 16  # the default static cap, max_assistant_tokens
+    assert loop.trace_count() == before  # the persisted length moves inside one compiled buffer
+
+
+def test_sampling_is_exact(tiny_llama_dir, target, draft):
+    """End to end, 6000 rows: the first three sampled tokens (the prefill's, then a round with up to 3 drafts)
+    follow the target's exact law over the whole vocabulary; the lossy ensemble does not."""
+    prompt, k, rows = [5, 6, 7, 8], 3, 6000
+    exact = oracles.exact_marginals(hf_models.load_hf(tiny_llama_dir), prompt, positions=3)
+    common = dict(max_new_tokens=k + 2, do_sample=True, top_k=0, eos_token_id=[], assistant_model=draft,
+                  num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+    out = jaxspec.generate(target, [prompt] * rows, seed=3, **common)
+    assert out.accepted_hist[:, 2:].sum() > 100 and out.drafted.sum() >= rows * k  # multi-draft rounds happen
+    new = out.sequences[:, len(prompt):]
+    for i in range(3):
+        assert oracles.goodness_of_fit(new[:, i], exact[i]) > 1e-3, i
+    lossy = jaxspec.generate(target, [prompt] * rows, seed=3, assistant_ensemble_weight=0.3, **common)
+    assert min(oracles.goodness_of_fit(lossy.sequences[:, len(prompt) + i], exact[i]) for i in (1, 2)) < 1e-6
+
+
+@pytest.mark.slow  # ~35 s: 6000 rows
+def test_sampling_is_exact_when_the_adaptive_schedule_drops_doubted_drafts(tiny_llama_dir, target):
+    """The adaptive schedule stops before a draft below the confidence threshold (HF's schedules propose it, then
+    stop), so a proposed draft follows q restricted to the confident tokens, and is judged by that law. The target
+    drafting for itself makes p = q: judged by the unrestricted q, a draft would always be accepted and the
+    confident tokens over-sampled."""
+    prompt, rows = [5, 6, 7, 8], 6000
+    exact = oracles.exact_marginals(hf_models.load_hf(tiny_llama_dir), prompt, positions=3)
+    out = jaxspec.generate(target, [prompt] * rows, seed=3, max_new_tokens=5, do_sample=True, top_k=0,
+                           eos_token_id=[], assistant_model=target, num_assistant_tokens=3,
+                           num_assistant_tokens_schedule="adaptive", assistant_confidence_threshold=0.1)
+    assert 0 < out.accepted.sum() < out.drafted.sum()  # with p = q, only the restriction can reject
+    new = out.sequences[:, len(prompt):]
+    for i in range(3):
+        assert oracles.goodness_of_fit(new[:, i], exact[i]) > 1e-3, i
+
+
+# -- errors ---------------------------------------------------------------------------------------------------
+
+
+def test_vocabulary_mismatch_points_to_universal_decoding(tmp_path, target):
+    other = jaxspec.load(hf_models.save_tiny("llama", tmp_path, seed=2, vocab_size=100))
+    with pytest.raises(ValueError, match="universal assisted decoding"):
+        jaxspec.generate(target, [[5, 6]], max_new_tokens=4, assistant_model=other)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_assistant_tokens=0), "num_assistant_tokens must be an integer >= 1"),
+    (dict(num_assistant_tokens_schedule="fast"), "Unknown num_assistant_tokens_schedule 'fast'"),
+    (dict(assistant_ensemble_weight=1.0), "None for standard"),
+    (dict(assistant_ensemble_weight=0.0), "open interval"),
+    (dict(assistant_confidence_threshold=1.5), "assistant_confidence_threshold"),
+    (dict(num_assistant_tokens=20, max_assistant_tokens=8), r"exceeds max_assistant_tokens \(8\)"),
+    (dict(prompt_lookup_num_tokens=3), "Choose one"),
+    (dict(max_matching_ngram_size=2), "max_matching_ngram_size is not used by the speculative strategy"),
+])
+def test_bad_settings(target, draft, kwargs, message):
+    before = loop.trace_count()
+    with pytest.raises(ValueError, match=message):
+        jaxspec.generate(target, [[5, 6]], max_new_tokens=4, assistant_model=draft, **kwargs)
+    assert loop.trace_count() == before
