@@ -1,4 +1,8 @@
-"""HF `LlamaForCausalLM` / `Qwen2ForCausalLM` tensor names -> jaxspec.models.llama parameters.
+"""HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` tensor names -> jaxspec.models.llama parameters.
+
+Qwen3 adds the per-head norms `self_attn.q_norm.weight` and `self_attn.k_norm.weight` [head_dim]; a rule fills a
+param only where the config has it (`param_shapes`), so a Llama or Qwen2 checkpoint that carried them would be
+rejected as having unexpected tensors, and a Qwen3 one without them as missing them.
 
 MTP layers (config.json `num_nextn_predict_layers` = K > 0) use DeepSeek-V3's layout: depth k is
 `model.layers.{N + k}` (N = num_hidden_layers) with the decoder block's own tensor names plus `enorm`, `hnorm`,
@@ -36,6 +40,8 @@ def rules(cfg: LlamaConfig) -> list[Rule]:
         Rule(LAYER + r"self_attn\.v_proj\.bias", "bv", split_head_bias(k, dh)),
         Rule(LAYER + r"self_attn\.o_proj\.weight", "wo", lambda w: w.T.reshape(h, dh, d)),
         Rule(LAYER + r"self_attn\.o_proj\.bias", "bo"),
+        Rule(LAYER + r"self_attn\.q_norm\.weight", "q_norm"),
+        Rule(LAYER + r"self_attn\.k_norm\.weight", "k_norm"),
         Rule(LAYER + r"post_attention_layernorm\.weight", "mlp_norm"),
         Rule(LAYER + r"mlp\.gate_proj\.weight", "w_gate", np.transpose),
         Rule(LAYER + r"mlp\.up_proj\.weight", "w_up", np.transpose),
@@ -128,6 +134,8 @@ def mtp_hf_tensors(cfg: LlamaConfig, mtp_layers: dict, draft_vocab: np.ndarray |
         "bv": ("self_attn.v_proj.bias", np.ravel),
         "wo": ("self_attn.o_proj.weight", lambda w: w.reshape(-1, d).T),
         "bo": ("self_attn.o_proj.bias", None),
+        "q_norm": ("self_attn.q_norm.weight", None),
+        "k_norm": ("self_attn.k_norm.weight", None),
         "mlp_norm": ("post_attention_layernorm.weight", None),
         "w_gate": ("mlp.gate_proj.weight", np.transpose),
         "w_up": ("mlp.up_proj.weight", np.transpose),

@@ -30,6 +30,7 @@ _GEMMA = Family("jaxspec.models.gemma", "GemmaConfig", "GemmaForCausalLM", "jaxs
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
     "qwen2": _LLAMA,
+    "qwen3": _LLAMA,  # dense Qwen3: the Llama block with per-head q/k RMSNorm
     "deepseek_v3": Family(
         "jaxspec.models.deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM", "jaxspec.convert.deepseek_v3"
     ),
@@ -43,11 +44,25 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# Model types jaxspec knows of but cannot run yet, each with what is missing: the error says so instead of "unknown".
+NOT_YET: dict[str, str] = {
+    "qwen3_moe": (
+        "Qwen3-MoE checkpoints are not supported yet. The Qwen3 attention (per-head q/k RMSNorm) exists in "
+        "models/llama.py, but models/moe.py implements DeepSeek-V3/GLM routing only (sigmoid scores with a correction "
+        "bias, grouped top-k, shared experts, dense first_k_dense_replace layers); Qwen3-MoE needs a softmax top-k "
+        "router without groups or shared experts, its own dense-layer pattern (decoder_sparse_step, mlp_only_layers) "
+        "and name rules for its expert tensors (mlp.gate, mlp.experts). Dense Qwen3 (model_type 'qwen3') is supported."
+    ),
+}
+
+
 def family_for(hf_config: dict[str, Any], where: str) -> Family:
     """The family named by config.json's `model_type`; never guessed from a folder or file name."""
     model_type = hf_config.get("model_type")
     if model_type is None:
         raise ValueError(f"{where}: config has no `model_type`, so jaxspec cannot tell which model family it is.")
+    if model_type in NOT_YET:
+        raise NotImplementedError(f"{where}: model_type {model_type!r}: {NOT_YET[model_type]}")
     if model_type not in FAMILIES:
         raise ValueError(
             f"{where}: unknown model_type {model_type!r} (architectures={hf_config.get('architectures')}). "

@@ -1,4 +1,6 @@
-"""Llama-family decoder (`LlamaForCausalLM`, `Qwen2ForCausalLM`) as HF transformers defines it.
+"""Llama-family decoder (`LlamaForCausalLM`, `Qwen2ForCausalLM`, dense `Qwen3ForCausalLM`) as HF transformers defines
+it. Qwen3 is this block with an RMSNorm over each query and key head (`q_norm`, `k_norm`, [head_dim]) between the
+head split and RoPE, and an explicit `head_dim` that need not be hidden_size / num_heads.
 
 Each layer keeps its own arrays and the forward pass is an unrolled Python loop over them (see `LlamaForCausalLM`
 for why not a scan over stacked weights); a contiguous range of layers (the early-exit drafter's first E) is a
@@ -44,7 +46,8 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    # Qwen2's use_sliding_window: these layers attend to the last `sliding_window` positions only
+    qk_norm: bool = False  # Qwen3: RMSNorm per query/key head (`q_norm`, `k_norm`) before RoPE
+    # Qwen2/Qwen3's use_sliding_window: these layers attend to the last `sliding_window` positions only
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     num_mtp_layers: int = 0  # DeepSeek-style MTP layers stored at model.layers.{num_layers + k}
@@ -54,14 +57,16 @@ class LlamaConfig:
     def from_hf_config(cls, hf: dict[str, Any]) -> "LlamaConfig":
         """Build from a config.json dict; raise on anything this implementation would silently get wrong."""
         model_type = hf.get("model_type")
-        if model_type not in ("llama", "qwen2"):
-            raise ValueError(f"LlamaConfig cannot read model_type={model_type!r}; expected 'llama' or 'qwen2'.")
+        if model_type not in ("llama", "qwen2", "qwen3"):
+            raise ValueError(
+                f"LlamaConfig cannot read model_type={model_type!r}; expected 'llama', 'qwen2' or 'qwen3'."
+            )
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise NotImplementedError(f"hidden_act={act!r} is not supported yet; only 'silu' is.")
         if hf.get("mlp_bias"):
             raise NotImplementedError("mlp_bias=True is not supported yet for Llama checkpoints.")
-        sliding_window, sliding_layers = _qwen2_sliding_layers(hf) if model_type == "qwen2" else (None, ())
+        sliding_window, sliding_layers = _qwen_sliding_layers(hf) if model_type != "llama" else (None, ())
         rope = L.rope_parameters(hf)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -75,7 +80,8 @@ class LlamaConfig:
                 int(rope["original_max_position_embeddings"]),
             )
         num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        # HF's Qwen3Config defaults head_dim to 128 (not hidden_size / num_heads) when config.json lacks it.
+        head_dim = hf.get("head_dim") or (128 if model_type == "qwen3" else hf["hidden_size"] // num_heads)
         attention_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
         mtp_layers, draft_vocab_size = L.num_mtp_layers(hf), int(hf.get("draft_vocab_size") or 0)
@@ -96,15 +102,17 @@ class LlamaConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and no output bias; Llama has both or neither (`attention_bias`).
+            # Qwen2 always has q/k/v biases and no output bias; Llama and Qwen3 have all four or none
+            # (`attention_bias`).
             qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type == "llama" and attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
             rope_type=rope_type,
             rope_llama3=rope_llama3,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             pad_token_id=hf.get("pad_token_id"),
+            qk_norm=model_type == "qwen3",
             sliding_window=sliding_window,
             sliding_layers=sliding_layers,
             num_mtp_layers=mtp_layers,
@@ -133,6 +141,8 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "bv": ("layers", "kv_heads", "head_dim"),
     "wo": ("layers", "heads", "head_dim", "embed"),
     "bo": ("layers", "embed"),
+    "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"),
     "mlp_norm": ("layers", "embed"),
     "w_gate": ("layers", "embed", "mlp"),
     "w_up": ("layers", "embed", "mlp"),
@@ -165,6 +175,8 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {"bq": (n, h, dh), "bk": (n, k, dh), "bv": (n, k, dh)}
     if cfg.o_bias:
         shapes["bo"] = (n, d)
+    if cfg.qk_norm:
+        shapes |= {"q_norm": (n, dh), "k_norm": (n, dh)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (d, v)
     return shapes
@@ -360,13 +372,15 @@ def _decoder_layer(cfg: LlamaConfig, p, x, positions, k_cache, v_cache, index, i
                    window: int | None = None):
     """One pre-norm block. p: this layer's params; k_cache/v_cache: [L, B, S, K, Dh] for all layers. Attention sees
     cache entries from position `first` on (an MTP depth k has none below k+1), and only the last `window`
-    positions when the layer slides (Qwen2's use_sliding_window)."""
+    positions when the layer slides (Qwen2/Qwen3's use_sliding_window)."""
     h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q = I.project("btd,dhk->bthk", h, p["wq"])  # [B, T, H, Dh]
     k = I.project("btd,dhk->bthk", h, p["wk"])  # [B, T, K, Dh]
     v = I.project("btd,dhk->bthk", h, p["wv"])
     if cfg.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if cfg.qk_norm:  # Qwen3: over each head's Dh features, after the bias and before RoPE (HF Qwen3Attention)
+        q, k = L.rms_norm(q, p["q_norm"], cfg.rms_norm_eps), L.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = L.apply_rope(q, positions, inv_freq)
     k = L.apply_rope(k, positions, inv_freq)
     rows = jnp.arange(x.shape[0])[:, None]
@@ -388,9 +402,10 @@ def _decoder_layer(cfg: LlamaConfig, p, x, positions, k_cache, v_cache, index, i
     return x + L.gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"]), k_cache, v_cache
 
 
-def _qwen2_sliding_layers(hf: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
-    """(window, sliding layer indices) as HF `Qwen2Config` reads them: nothing slides unless use_sliding_window;
-    then the layers that `layer_types` marks "sliding_attention", by default those from max_window_layers on."""
+def _qwen_sliding_layers(hf: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
+    """(window, sliding layer indices) as HF `Qwen2Config` and `Qwen3Config` read them (alike): nothing slides unless
+    use_sliding_window; then the layers that `layer_types` marks "sliding_attention", by default those from
+    max_window_layers on."""
     if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
         return None, ()
     layer_types = hf.get("layer_types") or [

@@ -55,6 +55,7 @@ CASES = {
                                                                                  "draft_vocab_size": 16},
                               LLAMA_LIKE),
     "qwen2": ("qwen2", _hf(transformers.Qwen2Config, **DENSE), (CausalLM, MtpModel)),
+    "qwen3": ("qwen3", _hf(transformers.Qwen3Config, **DENSE, head_dim=16), (CausalLM, MtpModel)),
     "deepseek_v3": ("deepseek_v3", _hf(transformers.DeepseekV3Config, **MOE, **DEEPSEEK), (CausalLM, MtpModel)),
     "glm4_moe": ("glm4_moe", _hf(transformers.Glm4MoeConfig, **MOE, num_key_value_heads=2), (CausalLM, MtpModel)),
     **{family: (family, _hf(config_cls, **DENSE, **overrides), (CausalLM, SharedKvModel))
