@@ -1,7 +1,8 @@
 """Prompt lookup decoding: copy the continuation of an earlier occurrence of the sequence's last n-gram.
 
 Same choice as HF's `PromptLookupCandidateGenerator`, computed in-graph with static shapes for every row at once:
-search the row's committed tokens (prompt and output so far) for the last n tokens, n from `max_ngram` down to 1;
+search the row's committed tokens (prompt and output so far) for the last n tokens, n from `max_ngram` down to
+`min_ngram` (1 in HF; a larger minimum ignores short matches, which on free text propose more than they land);
 the largest n with a match wins, and among its matches the earliest; propose the tokens that followed it, never
 past the end of the sequence, and stop before an EOS (a continuation that starts with EOS proposes nothing, without
 trying another match). No match means a plain decoding step for that row.
@@ -28,7 +29,8 @@ from .spec import (NUM_ASSISTANT_TOKENS_SCHEDULE, BuildRequest, Option, Strategy
                    schedule_kind)
 
 
-def find_continuation(tokens: jax.Array, length: jax.Array, max_ngram: int) -> tuple[jax.Array, jax.Array]:
+def find_continuation(tokens: jax.Array, length: jax.Array, max_ngram: int,
+                      min_ngram: int = 1) -> tuple[jax.Array, jax.Array]:
     """One row: tokens [S], length [] -> (start of the continuation to copy [], whether a match exists []).
 
     The continuation starts right after the matched n-gram; it must be non-empty, i.e. start < length.
@@ -36,7 +38,7 @@ def find_continuation(tokens: jax.Array, length: jax.Array, max_ngram: int) -> t
     size = tokens.shape[0]
     starts = jnp.arange(size)  # candidate n-gram start positions j
     found, best = jnp.bool_(False), jnp.int32(0)
-    for n in range(max_ngram, 0, -1):  # largest n first; a found larger n blocks smaller ones
+    for n in range(max_ngram, min_ngram - 1, -1):  # largest n first; a found larger n blocks smaller ones
         matches = (starts + n < length) & (n <= length - 1)  # non-empty continuation; HF: n <= length - 1
         for m in range(n):
             shifted = jnp.roll(tokens, -m)  # shifted[j] = tokens[j + m] (wraps only where j + n >= length)
@@ -51,6 +53,7 @@ def find_continuation(tokens: jax.Array, length: jax.Array, max_ngram: int) -> t
 @dataclasses.dataclass(frozen=True)
 class PromptLookupDrafter(Drafter):
     max_ngram: int = 2
+    min_ngram: int = 1
     schedule: Schedule = Schedule()
 
     def runtime_inputs(self) -> dict[str, np.ndarray]:
@@ -61,7 +64,8 @@ class PromptLookupDrafter(Drafter):
 
     def draft(self, ctx: Context, loop: DecodeState, state: DraftLength, rng):
         k = self.max_draft
-        start, found = jax.vmap(find_continuation, in_axes=(0, 0, None))(loop.tokens, loop.lengths, self.max_ngram)
+        start, found = jax.vmap(find_continuation, in_axes=(0, 0, None, None))(loop.tokens, loop.lengths,
+                                                                             self.max_ngram, self.min_ngram)
         offsets = start[:, None] + jnp.arange(k)[None, :]  # [B, K]
         tokens = jnp.take_along_axis(loop.tokens, jnp.minimum(offsets, loop.tokens.shape[1] - 1), axis=1)
         valid = found[:, None] & (offsets < loop.lengths[:, None])  # never copy past the sequence's end
@@ -81,6 +85,7 @@ class PromptLookupDrafter(Drafter):
 
 PROMPT_LOOKUP_NUM_TOKENS = Option("prompt_lookup_num_tokens", "most tokens copied per round (K)", default=10)
 MAX_MATCHING_NGRAM_SIZE = Option("max_matching_ngram_size", "longest n-gram matched (transformers' default 2)")
+MIN_MATCHING_NGRAM_SIZE = Option("min_matching_ngram_size", "shortest n-gram matched (default 1, as transformers)")
 
 
 def build(request: BuildRequest) -> StrategyChoice:
@@ -88,9 +93,14 @@ def build(request: BuildRequest) -> StrategyChoice:
     check_positive_int("prompt_lookup_num_tokens", k)
     ngram = request.options.get("max_matching_ngram_size") or 2  # HF: `or 2`, so 0 also means 2
     check_positive_int("max_matching_ngram_size", ngram)
+    shortest = request.options.get("min_matching_ngram_size", 1)
+    check_positive_int("min_matching_ngram_size", shortest)
+    if shortest > ngram:
+        raise ValueError(f"min_matching_ngram_size ({shortest}) exceeds max_matching_ngram_size ({ngram}).")
     kind = schedule_kind(request.options.get("num_assistant_tokens_schedule") or "adaptive", ("adaptive", "constant"),
                          "prompt lookup")
-    drafter = PromptLookupDrafter(max_draft=k, max_ngram=ngram, schedule=make_schedule(kind, k, k, draft_cost=0.0))
+    drafter = PromptLookupDrafter(max_draft=k, max_ngram=ngram, min_ngram=shortest,
+                                  schedule=make_schedule(kind, k, k, draft_cost=0.0))
     return StrategyChoice(PROMPT_LOOKUP, drafter)
 
 
@@ -98,6 +108,7 @@ PROMPT_LOOKUP = Strategy(
     name="prompt_lookup",
     summary="copy the continuation of an n-gram match in the prompt and output so far",
     selected_by="prompt_lookup_num_tokens",
-    options=(PROMPT_LOOKUP_NUM_TOKENS, MAX_MATCHING_NGRAM_SIZE, NUM_ASSISTANT_TOKENS_SCHEDULE),
+    options=(PROMPT_LOOKUP_NUM_TOKENS, MAX_MATCHING_NGRAM_SIZE, MIN_MATCHING_NGRAM_SIZE,
+             NUM_ASSISTANT_TOKENS_SCHEDULE),
     build=build,
 )

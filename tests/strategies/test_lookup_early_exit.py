@@ -124,6 +124,27 @@ def test_prompt_lookup_backs_off_where_nothing_copies(target):
     assert adaptive.drafted.sum() < constant.drafted.sum() / 4
 
 
+def test_min_matching_ngram_size_ignores_shorter_matches(target):
+    """A sequence whose last token recurs but whose last two tokens never do has a 1-gram match only: with
+    min_matching_ngram_size=2 it proposes nothing. On a prompt where single tokens recur and pairs do not, fewer
+    drafts are proposed; the output stays plain greedy either way, and the CLI takes the option from the table."""
+    tokens = jnp.asarray([5, 9, 7, 5, 0, 0], jnp.int32)
+    assert bool(find_continuation(tokens, jnp.int32(4), 2)[1])
+    assert not bool(find_continuation(tokens, jnp.int32(4), 2, 2)[1])
+    assert int(find_continuation(jnp.asarray([7, 5, 9, 7, 5, 0], jnp.int32), jnp.int32(5), 2, 2)[0]) == 2
+    prompt = [list(range(3, 33)) + list(range(31, 2, -1))]  # every token recurs, no pair of tokens does
+    kwargs = dict(max_new_tokens=N, prompt_lookup_num_tokens=4, num_assistant_tokens_schedule="constant",
+                  eos_token_id=[])
+    any_match = jaxspec.generate(target, prompt, **kwargs)
+    pairs_only = jaxspec.generate(target, prompt, min_matching_ngram_size=2, **kwargs)
+    np.testing.assert_array_equal(pairs_only.sequences, any_match.sequences)
+    assert any_match.drafted.sum() > 0 and pairs_only.drafted.sum() < any_match.drafted.sum()
+    from jaxspec.cli import generate as cli
+
+    args = cli.parse_args(["--strategy", "prompt_lookup", "--min-matching-ngram-size", "2"])
+    assert cli.drafting_config(args).min_matching_ngram_size == 2
+
+
 def test_early_exit_over_a_zeroed_last_layer_accepts_everything(tiny_llama_dir):
     model = jaxspec.load(tiny_llama_dir)
     last = model.config.num_layers - 1
@@ -172,6 +193,10 @@ def test_sampling_is_exact(tiny_llama_dir, target, strategy):
     (dict(assistant_early_exit=4), ValueError, r"1\.\.3"),
     (dict(assistant_early_exit=2, prompt_lookup_num_tokens=2), ValueError, "Choose one"),
     (dict(assistant_early_exit=2, max_matching_ngram_size=2), ValueError, "max_matching_ngram_size is not used"),
+    (dict(prompt_lookup_num_tokens=3, min_matching_ngram_size=3), ValueError,
+     r"min_matching_ngram_size \(3\) exceeds max_matching_ngram_size \(2\)"),
+    (dict(prompt_lookup_num_tokens=3, min_matching_ngram_size=0), ValueError,
+     "min_matching_ngram_size must be an integer >= 1"),
 ])
 def test_bad_settings(target, kwargs, error, message):
     with pytest.raises(error, match=message):
