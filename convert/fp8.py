@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
+from .errors import CheckpointError
 from .rules import CheckpointMismatch, TensorSource, read_box
 from .safetensors_io import normalize_box
 
@@ -33,26 +34,32 @@ class Fp8BlockQuantization:
     block: tuple[int, int]  # weight_block_size: rows (output features) x columns (input features) per scale
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> "Fp8BlockQuantization | None":
-        """None for an unquantized checkpoint; raises NotImplementedError for a scheme jaxspec cannot read."""
+    def from_hf_config(cls, hf: dict[str, Any], where: str = "config.json") -> "Fp8BlockQuantization | None":
+        """None for an unquantized checkpoint; raises NotImplementedError for a scheme jaxspec cannot read.
+        `where` (the config file) opens every error message."""
         quant = hf.get("quantization_config")
         if not quant:
             return None
+        if not isinstance(quant, dict):
+            raise CheckpointError(f"{where}: quantization_config must be an object, got {quant!r}.")
         method = quant.get("quant_method")
         if method != "fp8":
-            raise NotImplementedError(f"quantized checkpoints (quant_method={method!r}) are not supported; only "
-                                      "'fp8' with block scales (DeepSeek-V3's layout) is.")
+            raise NotImplementedError(f"{where}: quantized checkpoints (quant_method={method!r}) are not supported; "
+                                      "only 'fp8' with block scales (DeepSeek-V3's layout) is.")
         if quant.get("fmt", "e4m3") != "e4m3":
-            raise NotImplementedError(f"fp8 checkpoints in fmt={quant['fmt']!r} are not supported; only 'e4m3' is.")
+            raise NotImplementedError(f"{where}: fp8 checkpoints in fmt={quant['fmt']!r} are not supported; only "
+                                      "'e4m3' is.")
         if quant.get("activation_scheme", "dynamic") != "dynamic":
-            raise NotImplementedError(f"fp8 activation_scheme={quant['activation_scheme']!r} is not supported; only "
-                                      "'dynamic' (no activation scales stored) is.")
+            raise NotImplementedError(f"{where}: fp8 activation_scheme={quant['activation_scheme']!r} is not "
+                                      "supported; only 'dynamic' (no activation scales stored) is.")
         block = quant.get("weight_block_size")
         if block is None:
-            raise NotImplementedError("fp8 checkpoints without weight_block_size (one scale per tensor or channel) "
-                                      "are not supported; only block scales are.")
-        if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
-            raise ValueError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}.")
+            raise NotImplementedError(f"{where}: fp8 checkpoints without weight_block_size (one scale per tensor or "
+                                      "channel) are not supported; only block scales are.")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2
+                and all(type(b) is int and b > 0 for b in block)):
+            raise CheckpointError(f"{where}: quantization_config.weight_block_size must be two positive integers, "
+                                  f"got {block!r}.")
         return cls(block=(block[0], block[1]))
 
 

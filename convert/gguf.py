@@ -17,6 +17,10 @@ from typing import Any
 import gguf
 import numpy as np
 
+from .errors import CheckpointError
+
+GGUF_MAGIC = b"GGUF"
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "gemma3")
 
 _HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
@@ -94,7 +98,7 @@ class GGUFCheckpoint:
         """The tokenizer embedded in the GGUF metadata, built without torch (see `jaxspec.tokenizer`)."""
         from jaxspec.tokenizer import tokenizer_from_gguf
 
-        return tokenizer_from_gguf(self._reader)
+        return tokenizer_from_gguf(self._reader, where=self.path)
 
 
 def read_gguf(path: str) -> GGUFCheckpoint:
@@ -106,7 +110,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    reader = gguf.GGUFReader(path)
+    reader = open_reader(path)
     arch = _metadata(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -116,7 +120,10 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     n_layers = int(_metadata(reader, f"{arch}.block_count"))
     tensors = {}
     for tensor in reader.tensors:
-        hf_name = hf_tensor_name(tensor.name, arch, n_layers)
+        try:
+            hf_name = hf_tensor_name(tensor.name, arch, n_layers)
+        except ValueError as error:  # a tensor no rule maps: say in which file
+            raise CheckpointError(f"{path}: {error}") from None
         if hf_name is not None:
             tensors[hf_name] = tensor
     shapes = {name: _hf_shape(tensor) for name, tensor in tensors.items()}
@@ -129,6 +136,50 @@ def read_gguf(path: str) -> GGUFCheckpoint:
             factors, config["head_dim"], config["rope_parameters"]["rope_theta"], path
         )
     return GGUFCheckpoint(path=path, hf_config=config, tensor_shapes=shapes, _reader=reader, _gguf_tensors=tensors)
+
+
+class _BoundedReader(gguf.GGUFReader):
+    """gguf-py's reader, refusing to read past the end of the file.
+
+    gguf-py slices its memory map without checking the file's length, so a cut file fails somewhere later (a
+    reshape of a short tensor, an index past a short array) with an error that names neither the file nor the cut.
+    Every read goes through `_get`; checking its byte range there reports any truncation (header, metadata, tensor
+    infos or tensor data) before anything is reshaped.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._itemsizes: dict[Any, int] = {}
+        super().__init__(path)
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        itemsize = self._itemsizes.get(dtype)
+        if itemsize is None:
+            itemsize = self._itemsizes[dtype] = np.dtype(dtype).itemsize
+        end = int(offset) + itemsize * int(count)
+        if end > self.data.shape[0]:
+            raise CheckpointError(
+                f"{self.path}: GGUF file is truncated or damaged: it has {self.data.shape[0]} bytes, but its header "
+                f"describes data up to byte {end} (cut while downloading or copying?)")
+        return super()._get(offset, dtype, count, override_order)
+
+
+def open_reader(path: str) -> gguf.GGUFReader:
+    """A `gguf.GGUFReader` over `path`, or a CheckpointError naming the file: empty, not GGUF, truncated, or a header
+    gguf-py refuses (its errors, which do not name the file, are re-raised with the path)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        raise CheckpointError(f"{path}: empty file (0 bytes), not a GGUF checkpoint")
+    with open(path, "rb") as f:
+        magic = f.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise CheckpointError(f"{path}: not a GGUF file: it starts with {magic!r}, not {GGUF_MAGIC!r}")
+    try:
+        return _BoundedReader(path)
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError) as error:  # gguf-py's own header checks: version, duplicate keys, unknown types
+        raise CheckpointError(f"{path}: damaged GGUF header: {error}") from error
 
 
 def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
@@ -207,9 +258,18 @@ def _metadata(reader: gguf.GGUFReader, key: str, default: Any = dataclasses.MISS
     field = reader.get_field(key)
     if field is None:
         if default is dataclasses.MISSING:
-            raise ValueError(f"GGUF metadata key {key!r} is missing")
+            raise CheckpointError(f"{_where(reader)}: GGUF metadata key {key!r} is missing")
         return default
-    return field.contents()
+    try:
+        return field.contents()
+    except UnicodeDecodeError as error:  # gguf-py decodes strings lazily: bytes that are not UTF-8 mean damage
+        raise CheckpointError(f"{_where(reader)}: GGUF metadata {key!r} is not valid UTF-8 text ({error}); the "
+                              "file is damaged") from None
+
+
+def _where(reader: gguf.GGUFReader) -> str:
+    """The file a reader reads, for error messages (`open_reader` records it)."""
+    return getattr(reader, "path", "GGUF file")
 
 
 def _optional_int(reader: gguf.GGUFReader, key: str) -> int | None:
@@ -232,7 +292,8 @@ def _head_dim(reader: gguf.GGUFReader, arch: str, shapes: dict[str, tuple[int, .
     q_rows = shapes["model.layers.0.self_attn.q_proj.weight"][0]
     head_dim = int(_metadata(reader, f"{arch}.attention.key_length", q_rows // n_heads))
     if head_dim * n_heads != q_rows:
-        raise ValueError(f"GGUF head_dim {head_dim} x {n_heads} heads does not match the q projection's {q_rows} rows")
+        raise CheckpointError(f"{_where(reader)}: GGUF head_dim {head_dim} x {n_heads} heads does not match the q "
+                              f"projection's {q_rows} rows")
     rotary = _metadata(reader, f"{arch}.rope.dimension_count", head_dim)
     if int(rotary) != head_dim:
         raise NotImplementedError(f"partial rotary embeddings ({rotary} of {head_dim} dims) are not supported")
@@ -253,7 +314,8 @@ def _check_complete(shapes: dict[str, tuple[int, ...]], arch: str, n_layers: int
     required += [f"model.layers.{i}.{name}" for i in range(n_layers) for name in _block_names(arch).values()]
     missing = [name for name in required if name not in shapes]
     if missing:
-        raise ValueError(f"{path}: GGUF lacks tensors for {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        more = " ..." if len(missing) > 8 else ""
+        raise CheckpointError(f"{path}: GGUF lacks tensors for {', '.join(missing[:8])}{more}")
 
 
 def _hf_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
@@ -310,7 +372,8 @@ def _gemma3_config(
     pattern = _metadata(reader, "gemma3.attention.sliding_window_pattern", GEMMA3_GLOBAL_EVERY)
     if isinstance(pattern, list):  # one flag per layer: True where the layer slides
         if len(pattern) != n_layers:
-            raise ValueError(f"gemma3.attention.sliding_window_pattern lists {len(pattern)} layers; expected {n_layers}")
+            raise CheckpointError(f"{_where(reader)}: gemma3.attention.sliding_window_pattern lists {len(pattern)} "
+                                  f"layers; expected {n_layers}")
         layer_types = ["sliding_attention" if slides else "full_attention" for slides in pattern]
     else:
         layer_types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n_layers)]

@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
+from .errors import CheckpointError
 from .safetensors_io import Box, box_shape, normalize_box
 
 
@@ -140,7 +141,7 @@ class Ignore:
     reason: str
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(CheckpointError):
     """The checkpoint's tensors do not match what the config says the model has."""
 
 

@@ -22,6 +22,8 @@ from typing import Mapping, Sequence
 import ml_dtypes
 import numpy as np
 
+from .errors import CheckpointError, read_json_object
+
 _DTYPES = {
     "F64": np.float64,
     "F32": np.float32,
@@ -36,6 +38,15 @@ _DTYPES = {
     "U8": np.uint8,
     "BOOL": np.bool_,
 }
+
+# Bits per element of every dtype the safetensors format defines (jaxspec reads the ones in `_DTYPES`); a header
+# naming any other dtype is not a safetensors header.
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16,
+    "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+HEADER_LIMIT = 100 << 20  # the safetensors reference refuses headers larger than 100 MB
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -71,17 +82,63 @@ class SafetensorsFile:
 
     def __init__(self, path: str):
         self.path = path
+        self._fd: int | None = None
+        size = os.path.getsize(path)
+        if size < 8:
+            raise CheckpointError(f"{path}: {'empty file' if size == 0 else f'only {size} bytes'}; a safetensors "
+                                  "file starts with an 8-byte header length (truncated or not a safetensors file?)")
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
+            if header_len > min(size - 8, HEADER_LIMIT):
+                raise CheckpointError(
+                    f"{path}: header length {header_len} does not fit in the file ({size} bytes); not a safetensors "
+                    "file, or a damaged one")
+            raw = f.read(header_len)
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
+            raise CheckpointError(f"{path}: safetensors header is not valid JSON ({error}); the file is damaged or "
+                                  "not a safetensors file") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: safetensors header is a JSON {type(header).__name__}, not an object")
         header.pop("__metadata__", None)
-        self._entries = header
         self._data_start = 8 + header_len
-        self._fd: int | None = None
+        self._entries = {name: self._checked_entry(name, entry) for name, entry in header.items()}
+        self._check_extent(size)
 
-    def __del__(self):
+    def _checked_entry(self, name: str, entry) -> dict:
+        """The header entry of tensor `name`, refused unless its dtype, shape and byte range agree."""
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise CheckpointError(f"{self.path}: header entry of tensor {name!r} needs dtype, shape and data_offsets; "
+                                  f"got {entry!r}")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {dtype!r}, which is not a safetensors dtype "
+                                  f"({', '.join(_DTYPE_BITS)})")
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
+            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {shape!r}; expected a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{self.path}: tensor {name!r} has data_offsets {offsets!r}; expected [begin, end]")
+        needed = math.prod(shape) * _DTYPE_BITS[dtype]
+        if offsets[1] - offsets[0] != -(-needed // 8):
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes, but a {dtype} tensor of shape "
+                f"{shape} takes {-(-needed // 8)}; the header is damaged")
+        return entry
+
+    def _check_extent(self, size: int) -> None:
+        """Every tensor's bytes must lie inside the file: a cut file fails here, naming the tensors it lost."""
+        past = sorted(name for name, e in self._entries.items() if self._data_start + e["data_offsets"][1] > size)
+        if past:
+            end = max(self._data_start + e["data_offsets"][1] for e in self._entries.values())
+            raise CheckpointError(
+                f"{self.path}: file is truncated: it has {size} bytes, but its header places tensor data up to byte "
+                f"{end}; {len(past)} tensor(s) lie past the end: {past[:5]}{' ...' if len(past) > 5 else ''}")
+
+    def __del__(self, _close=os.close):  # bound now: at interpreter exit `os.close` may already be gone
         if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
+            _close(self._fd)
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -144,14 +201,18 @@ class SafetensorsCheckpoint:
         index_path = os.path.join(folder, INDEX_FILE)
         single_path = os.path.join(folder, SINGLE_FILE)
         if os.path.exists(index_path):
-            with open(index_path) as f:
-                weight_map: Mapping[str, str] = json.load(f)["weight_map"]
+            weight_map = _read_weight_map(index_path)
             shard_names = sorted(set(weight_map.values()))
-            missing = [s for s in shard_names if not os.path.exists(os.path.join(folder, s))]
+            missing = [s for s in shard_names if not os.path.isfile(os.path.join(folder, s))]
             if missing:
                 raise FileNotFoundError(f"{index_path} names shard files that are not in {folder}: {missing}")
             self._files = {s: SafetensorsFile(os.path.join(folder, s)) for s in shard_names}
             self._where = dict(weight_map)
+            absent = sorted(f"{name} (in {shard})" for name, shard in weight_map.items()
+                            if name not in self._files[shard].shapes)
+            if absent:
+                raise CheckpointError(f"{index_path} places tensors in shards that do not hold them: "
+                                      f"{absent[:5]}{' ...' if len(absent) > 5 else ''}")
         elif os.path.exists(single_path):
             self._files = {SINGLE_FILE: SafetensorsFile(single_path)}
             self._where = {name: SINGLE_FILE for name in self._files[SINGLE_FILE].shapes}
@@ -176,3 +237,14 @@ class SafetensorsCheckpoint:
     def nbytes(self) -> int:
         """Bytes of tensor data in the checkpoint."""
         return sum(math.prod(shape) * self.dtype(name).itemsize for name, shape in self.shapes.items())
+
+
+def _read_weight_map(index_path: str) -> Mapping[str, str]:
+    """The index's tensor name -> shard file map, refused unless it is one."""
+    weight_map = read_json_object(index_path).get("weight_map")
+    if weight_map is None:
+        raise CheckpointError(f"{index_path}: no \"weight_map\" (the tensor name -> shard file map of a sharded "
+                              "checkpoint)")
+    if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+        raise CheckpointError(f"{index_path}: \"weight_map\" must map tensor names to shard file names")
+    return weight_map

@@ -4,7 +4,8 @@ Converting dequantizes GGUF blocks or reads safetensors and re-lays every tensor
 only reads arrays that already have the module's shapes and dtypes. A conversion folder holds:
 
     config.json             the HF config dict the module was built from
-    jaxspec.json            the marker: format version, dtype, source, jaxspec version (written last)
+    jaxspec.json            the marker: format version, dtype, source, jaxspec version, the size of every file
+                            under params/ (written last)
     params/                 orbax checkpoint of `nnx.to_pure_dict` of the module's params
     tokenizer files         `tokenizer.save_pretrained`, when the model has a tokenizer
     generation_config.json  when the source had one
@@ -44,10 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec.convert.errors import CheckpointError, read_json_object
+from jaxspec.convert.rules import CheckpointMismatch
+
 from . import catalog, distributed, loading
 from .head import is_quantized
-from .loading import Model, _read_json
-from .registry import family_for
+from .loading import Model, _read_json, config_from_hf
 from .tokenizer import load_tokenizer
 
 FORMAT_VERSION = 2  # 2: Llama-family layers stored one array per layer (was stacked)
@@ -72,18 +75,30 @@ def read_marker(folder: str) -> dict[str, Any]:
     """The folder's marker, refusing one this jaxspec cannot restore (it names both format versions)."""
     path = os.path.join(folder, MARKER)
     try:
-        with open(path, encoding="utf-8") as f:
-            marker = json.load(f)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not a readable marker ({error}).") from error
-    found = marker.get("format_version") if isinstance(marker, dict) else None
+        marker = read_json_object(path)
+    except CheckpointError as error:
+        raise CheckpointError(f"{error}: not a readable conversion marker; convert the source again.") from None
+    found = marker.get("format_version")
     if found != FORMAT_VERSION:
-        raise ValueError(
+        raise CheckpointError(
             f"{path}: conversion format version {found!r}, but this jaxspec ({jaxspec_version()}) reads version "
             f"{FORMAT_VERSION}; convert the source again with scripts/convert.py (or delete the folder if it is "
             "a cached catalogue conversion)."
         )
+    if not _is_dtype_name(marker.get("dtype")):
+        raise CheckpointError(f"{path}: \"dtype\" is {marker.get('dtype')!r}, not a dtype name; the marker is "
+                              "damaged (convert the source again).")
     return marker
+
+
+def _is_dtype_name(name: Any) -> bool:
+    if not isinstance(name, str):
+        return False
+    try:
+        jnp.dtype(name)
+    except TypeError:
+        return False
+    return True
 
 
 def restore(folder: str, dtype: Any = None, *, mesh=None, sharding_rules=None) -> Model:
@@ -101,18 +116,54 @@ def restore(folder: str, dtype: Any = None, *, mesh=None, sharding_rules=None) -
     config_path = os.path.join(folder, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{folder} has a {MARKER} marker but no config.json.")
-    hf_config = _read_json(config_path)
-    family = family_for(hf_config, config_path)
-    cfg = family.config_from_hf(hf_config)
+    hf_config = read_json_object(config_path)
+    family, cfg = config_from_hf(hf_config, config_path)
     dtype = jnp.dtype(dtype if dtype is not None else marker["dtype"])
+    generation_config = _read_json(os.path.join(folder, "generation_config.json"))
+    tokenizer = load_tokenizer(folder)
+    check_params_files(folder, marker)
     return Model(
         module=_restore_module(family.model_cls(), cfg, dtype, params_dir, mesh, sharding_rules),
         config=cfg,
         hf_config=hf_config,
-        tokenizer=load_tokenizer(folder),
-        generation_config=_read_json(os.path.join(folder, "generation_config.json")),
+        tokenizer=tokenizer,
+        generation_config=generation_config,
         source=folder,
     )
+
+
+def params_files(params_dir: str) -> dict[str, int]:
+    """Every file under `params_dir` (path relative to it, "/"-separated) with its size in bytes."""
+    out = {}
+    for root, _, files in os.walk(params_dir):
+        for name in files:
+            path = os.path.join(root, name)
+            out[os.path.relpath(path, params_dir).replace(os.sep, "/")] = os.path.getsize(path)
+    return dict(sorted(out.items()))
+
+
+def check_params_files(folder: str, marker: dict[str, Any]) -> None:
+    """Every file the marker lists under params/ must be there with the size it was written with: orbax reports a
+    missing or cut data file only mid-restore, with an error that is not a ValueError. Markers written before the
+    list existed are not checked."""
+    recorded = marker.get("params_files")
+    if recorded is None:
+        return
+    marker_path = os.path.join(folder, MARKER)
+    if not (isinstance(recorded, dict) and all(type(size) is int for size in recorded.values())):
+        raise CheckpointError(f"{marker_path}: \"params_files\" must map file names to sizes; the marker is damaged.")
+    params_dir = os.path.join(folder, PARAMS_DIR)
+    problems = []
+    for name, size in recorded.items():
+        path = os.path.join(params_dir, *name.split("/"))
+        if not os.path.isfile(path):
+            problems.append(f"{name} is missing")
+        elif os.path.getsize(path) != size:
+            problems.append(f"{name} has {os.path.getsize(path)} bytes, {size} when written")
+    if problems:
+        more = " ..." if len(problems) > 5 else ""
+        raise CheckpointError(f"{params_dir}: the saved params are damaged ({'; '.join(problems[:5])}{more}); "
+                              "convert the source again.")
 
 
 def _restore_module(model_cls, cfg, dtype, params_dir: str, mesh=None, sharding_rules=None) -> nnx.Module:
@@ -123,6 +174,7 @@ def _restore_module(model_cls, cfg, dtype, params_dir: str, mesh=None, sharding_
     from .sharding import ShardingRules, variable_sharding
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype)))
+    _check_stored_params(params_dir, nnx.to_pure_dict(state))
     if mesh is not None:
         rules = sharding_rules or ShardingRules()
 
@@ -133,12 +185,57 @@ def _restore_module(model_cls, cfg, dtype, params_dir: str, mesh=None, sharding_
 
         state = jax.tree.map(target, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     with ocp.StandardCheckpointer() as checkpointer:
-        params = checkpointer.restore(os.path.abspath(params_dir), nnx.to_pure_dict(state))
+        try:
+            params = checkpointer.restore(os.path.abspath(params_dir), nnx.to_pure_dict(state))
+        except ValueError as error:  # tensorstore's reports of unreadable data: one line, naming the folder
+            raise CheckpointError(f"{params_dir}: orbax cannot restore the params: {_first_line(error)}") from error
     nnx.replace_by_pure_dict(state, params)
     module = nnx.merge(graphdef, state)
     if mesh is not None and hasattr(module, "place_on"):
         module.place_on(mesh, rules)
     return module
+
+
+def _check_stored_params(params_dir: str, expected: dict[str, Any]) -> None:
+    """The orbax checkpoint's own metadata must list exactly the params of the module that config.json describes,
+    at their shapes: an edited config.json or a damaged folder is reported by name before any data is read."""
+    import orbax.checkpoint as ocp
+
+    if not os.path.isfile(os.path.join(params_dir, "_METADATA")):
+        raise CheckpointError(f"{params_dir}: not a complete orbax checkpoint (no _METADATA); convert the source "
+                              "again.")
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            metadata = checkpointer.metadata(os.path.abspath(params_dir))
+    except ValueError as error:  # a _METADATA that does not parse (JSONDecodeError) or that orbax refuses
+        raise CheckpointError(f"{params_dir}: unreadable orbax metadata: {_first_line(error)}") from error
+    tree = getattr(metadata, "item_metadata", metadata)
+    tree = getattr(tree, "tree", tree)
+
+    def shapes(pure, is_leaf=None):
+        leaves = jax.tree_util.tree_leaves_with_path(pure, is_leaf=is_leaf)
+        return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(leaf.shape)
+                for path, leaf in leaves}
+
+    stored = shapes(tree, is_leaf=lambda x: hasattr(x, "shape"))
+    if not stored:  # metadata this orbax version lays out otherwise: its own restore checks remain
+        return
+    wanted = shapes(expected)
+    missing = sorted(set(wanted) - set(stored))
+    extra = sorted(set(stored) - set(wanted))
+    misshaped = sorted(f"{name}: stored {stored[name]}, expected {wanted[name]}"
+                       for name in set(wanted) & set(stored) if stored[name] != wanted[name])
+    problems = [f"{label} {names[:5]}{' ...' if len(names) > 5 else ''}" for label, names in
+                (("missing", missing), ("unexpected", extra), ("mis-shaped", misshaped)) if names]
+    if problems:
+        raise CheckpointError(f"{params_dir} does not hold the params that config.json describes: "
+                              f"{'; '.join(problems)} (was config.json edited after converting?).")
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    """The start of an exception's message: tensorstore's run to pages of JSON spec."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def save(model: Model, out: str, *, source: str | None = None, force: bool = False) -> str:
@@ -198,7 +295,8 @@ def write_folder(model: Model, folder: str, source: str) -> None:
     write_params(model.module, os.path.join(folder, PARAMS_DIR))
     distributed.barrier("jaxspec-save-params")
     if lead:
-        _write_json(os.path.join(folder, MARKER), marker_for(model, source))
+        marker = marker_for(model, source) | {"params_files": params_files(os.path.join(folder, PARAMS_DIR))}
+        _write_json(os.path.join(folder, MARKER), marker)
 
 
 def write_params(module: nnx.Module, params_dir: str) -> None:
@@ -277,6 +375,7 @@ def load_cached(name: str, dtype: Any, progress: bool = False, *, mesh=None, sha
     Collective with several processes; process 0 decides whether the cache is current."""
     folder = cached_folder(name, dtype)
     source = catalog_source(name)
+    check_mtp_asset(name)  # before converting: a damaged asset would otherwise fail only after the conversion
     if bool(distributed.broadcast(np.asarray(_is_current(folder, source)))):
         return _with_mtp_asset(name, restore(folder, mesh=mesh, sharding_rules=sharding_rules))
     model = loading.convert(name, dtype, progress, mesh=mesh, sharding_rules=sharding_rules)
@@ -296,9 +395,37 @@ def _with_mtp_asset(name: str, model: Model) -> Model:
     asset = catalog.get_entry(name).mtp_asset
     if asset is None:
         return model
-    from .assets import asset_folder, attach_mtp_asset
+    from .assets import MTP_FILE, asset_folder, attach_mtp_asset
 
-    return attach_mtp_asset(model, asset_folder(asset))
+    folder = asset_folder(asset)
+    try:
+        return attach_mtp_asset(model, folder)
+    except CheckpointMismatch as error:  # the asset's tensors against its config.json: say which asset
+        raise CheckpointMismatch(f"{os.path.join(folder, MTP_FILE)}: {error}") from error
+
+
+def check_mtp_asset(name: str) -> None:
+    """The MTP asset of catalogue entry `name`, if it has one, must hold a readable config.json that names its layer
+    count and a readable model.safetensors (header checked here, tensors when attached)."""
+    asset = catalog.get_entry(name).mtp_asset
+    if asset is None:
+        return
+    from jaxspec.convert.safetensors_io import SafetensorsFile
+
+    from .assets import MTP_FILE, asset_folder
+
+    folder = asset_folder(asset)
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"MTP asset {folder} of catalogue model {name!r} has no config.json.")
+    layers = read_json_object(config_path).get("num_nextn_predict_layers")
+    if not (type(layers) is int and layers > 0):
+        raise CheckpointError(f"{config_path}: \"num_nextn_predict_layers\" must be a positive integer (the MTP "
+                              f"layers the asset holds), got {layers!r}.")
+    weights = os.path.join(folder, MTP_FILE)
+    if not os.path.isfile(weights):
+        raise FileNotFoundError(f"MTP asset {folder} of catalogue model {name!r} has no {MTP_FILE}.")
+    SafetensorsFile(weights)
 
 
 def _is_current(folder: str, source: str) -> bool:

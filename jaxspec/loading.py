@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import os
 from typing import Any
 
@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from jaxspec.convert.errors import CheckpointError, read_json_object
+from jaxspec.convert.rules import CheckpointMismatch
 
 from .registry import family_for
 from .tokenizer import load_tokenizer
@@ -70,20 +73,47 @@ def convert(path: str, dtype: Any, progress: bool = False, mesh=None, sharding_r
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{path} has no config.json; jaxspec needs it to know the model's architecture.")
-    with open(config_path) as f:
-        hf_config = json.load(f)
-    family = family_for(hf_config, config_path)
-    cfg = family.config_from_hf(hf_config)
-    source = open_safetensors(path, hf_config)
-    module = _build(family, cfg, dtype, source, _progress_bar(path) if progress else None, mesh, sharding_rules)
+    hf_config = read_json_object(config_path)
+    family, cfg = config_from_hf(hf_config, config_path)
+    # The small files first: a damaged one is reported before the weights are read.
+    generation_config = _read_json(os.path.join(path, "generation_config.json"))
+    tokenizer = load_tokenizer(path)
+    with _naming_checkpoint(path):
+        source = open_safetensors(path, hf_config)
+        module = _build(family, cfg, dtype, source, _progress_bar(path) if progress else None, mesh, sharding_rules)
     return Model(
         module=module,
         config=cfg,
         hf_config=hf_config,
-        tokenizer=load_tokenizer(path),
-        generation_config=_read_json(os.path.join(path, "generation_config.json")),
+        tokenizer=tokenizer,
+        generation_config=generation_config,
         source=path,
     )
+
+
+def config_from_hf(hf_config: dict[str, Any], where: str):
+    """(family, family config) for an HF config dict read from `where` (the config file, named in errors).
+
+    The families' `from_hf_config` index the dict for the keys they require; a config that lacks one is a damaged or
+    foreign file, reported here as one CheckpointError naming the file and the key rather than a bare KeyError.
+    """
+    family = family_for(hf_config, where)
+    try:
+        return family, family.config_from_hf(hf_config)
+    except KeyError as error:
+        key = error.args[0] if error.args else "?"
+        raise CheckpointError(f"{where}: required key {key!r} is missing (model_type "
+                              f"{hf_config.get('model_type')!r} needs it)") from None
+
+
+@contextlib.contextmanager
+def _naming_checkpoint(path: str):
+    """Open a CheckpointMismatch from the converters (missing, extra or mis-shaped tensors, which they name) with
+    the checkpoint it is about."""
+    try:
+        yield
+    except CheckpointMismatch as error:
+        raise CheckpointMismatch(f"{path}: {error}") from error
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -111,7 +141,7 @@ def open_safetensors(folder: str, hf_config: dict[str, Any]):
     from jaxspec.convert.safetensors_io import SafetensorsCheckpoint
 
     source = SafetensorsCheckpoint(folder)
-    quantization = Fp8BlockQuantization.from_hf_config(hf_config)
+    quantization = Fp8BlockQuantization.from_hf_config(hf_config, os.path.join(folder, "config.json"))
     return source if quantization is None else DequantizedSource(source, quantization)
 
 
@@ -193,10 +223,10 @@ def _load_gguf(path: str, dtype, progress: bool, mesh=None, sharding_rules=None)
     from jaxspec.convert.gguf import read_gguf
 
     ckpt = read_gguf(path)
-    family = family_for(ckpt.hf_config, path)
-    cfg = family.config_from_hf(ckpt.hf_config)
+    family, cfg = config_from_hf(ckpt.hf_config, path)
     source = _GGUFSource(ckpt)
-    module = _build(family, cfg, dtype, source, _progress_bar(path) if progress else None, mesh, sharding_rules)
+    with _naming_checkpoint(path):
+        module = _build(family, cfg, dtype, source, _progress_bar(path) if progress else None, mesh, sharding_rules)
     return Model(
         module=module,
         config=cfg,
@@ -225,10 +255,11 @@ class _GGUFSource:
 
 
 def _read_json(path: str) -> dict[str, Any]:
+    """The JSON object in an optional file (generation_config.json): {} when absent, an error naming it when
+    damaged."""
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    return read_json_object(path)
 
 
 def _progress_bar(label: str):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from jaxspec.convert.errors import CheckpointError, read_json_object
+
 # GGUF metadata key (after "tokenizer.") -> the name transformers' GGUF tokenizer converter reads.
 _TOKENIZER_FIELDS = {
     "ggml.model": "tokenizer_type",
@@ -43,14 +45,17 @@ _SPECIAL_TOKENS = {
     "pad_token": "padding_token_id",
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json")
 
 
-def gguf_tokenizer_fields(reader) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """`(architecture, tokenizer fields, tokenizer_config)` from a `gguf.GGUFReader`, as transformers reads them."""
-    metadata = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+def gguf_tokenizer_fields(reader, where: str = "this GGUF file") -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """`(architecture, tokenizer fields, tokenizer_config)` from a `gguf.GGUFReader`, as transformers reads them.
+    `where` names the file in errors."""
+    metadata = {key: _contents(field, key, where) for key, field in reader.fields.items()
+                if key.startswith("tokenizer.")}
     if "tokenizer.ggml.tokens" not in metadata:
-        raise ValueError("this GGUF file has no tokenizer (no tokenizer.ggml.tokens metadata).")
-    architecture = reader.fields["general.architecture"].contents()
+        raise ValueError(f"{where} has no tokenizer (no tokenizer.ggml.tokens metadata).")
+    architecture = _contents(reader.fields["general.architecture"], "general.architecture", where)
     fields = {name: metadata[f"tokenizer.{key}"] for key, name in _TOKENIZER_FIELDS.items()
               if f"tokenizer.{key}" in metadata}
     config = {name: metadata[f"tokenizer.{key}"] for key, name in _CONFIG_FIELDS.items()
@@ -62,24 +67,45 @@ def gguf_tokenizer_fields(reader) -> tuple[str, dict[str, Any], dict[str, Any]]:
         config["add_bos_token"] = False  # Gemma 4's chat template writes <bos> itself (transformers does the same)
     for name, key in _SPECIAL_TOKENS.items():
         token_id = metadata.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and not 0 <= token_id < len(fields["tokens"]):
+            raise CheckpointError(f"{where}: tokenizer.ggml.{key} is {token_id}, but the vocabulary has "
+                                  f"{len(fields['tokens'])} tokens; the metadata is damaged.")
         config[name] = fields["tokens"][token_id] if token_id is not None else None
     return architecture, fields, config
 
 
-def tokenizer_from_gguf(reader) -> Any:
+def _contents(field, key: str, where: str) -> Any:
+    """A GGUF metadata value; gguf-py decodes strings lazily, and bytes that are not UTF-8 mean a damaged file."""
+    try:
+        return field.contents()
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{where}: GGUF metadata {key!r} is not valid UTF-8 text ({error}); the file is "
+                              "damaged.") from None
+
+
+def tokenizer_from_gguf(reader, where: str = "this GGUF file") -> Any:
     """A fast tokenizer built from a GGUF file's metadata (`reader`: a `gguf.GGUFReader`); torch is not imported."""
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
-    architecture, fields, config = gguf_tokenizer_fields(reader)
+    architecture, fields, config = gguf_tokenizer_fields(reader, where)
     backend, extra = convert_gguf_tokenizer(architecture, fields)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **(config | extra))
 
 
 def load_tokenizer(folder: str) -> Any | None:
-    """The tokenizer saved in `folder` (tokenizer.json and friends), or None when the folder has none."""
+    """The tokenizer saved in `folder` (tokenizer.json and friends), or None when the folder has none.
+
+    transformers reports a damaged tokenizer file with an error that does not name it (the `tokenizers` library
+    raises a bare Exception); when loading fails, a JSON file of the folder that does not parse is named instead."""
     if not any(os.path.exists(os.path.join(folder, name)) for name in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception:
+        for name in JSON_FILES:
+            if os.path.exists(os.path.join(folder, name)):
+                read_json_object(os.path.join(folder, name))  # raises CheckpointError for the damaged file
+        raise  # no damaged file found: the original error, untouched
