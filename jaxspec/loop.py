@@ -29,7 +29,8 @@ from .processors import Processing
 from .sampling import select
 from .schedule import verify_widths
 from .sharding import ShardingRules, constrain, named_sharding
-from .strategies.base import Context, Counters, DecodeState, Drafter, DraftStep, PrefillChunk, RoundResult
+from .strategies.base import (Context, Counters, DecodeState, Drafter, DraftStep, PrefillChunk, RoundResult,
+                             run_tapped_layers)
 from .verify import verify
 
 _trace_count = 0
@@ -79,6 +80,7 @@ class VerifyResult:
     tokens: jax.Array  # [B, K+1] accepted drafts, then the target's own token
     hidden: jax.Array  # [B, K+1, D] the target's final-normed hidden states at [last, d_1 .. d_K]
     processed: jax.Array | None  # [B, K+1, V] processed target logits with return_logits, else None
+    features: jax.Array | None  # [B, K+1, F*D] the tapped layers' outputs (Drafter.feature_layers), else None
 
 
 MAX_COMPILED = 32  # a long session (a notebook, a test run) should not keep every executable alive
@@ -136,13 +138,18 @@ def _prefill(spec: LoopSpec, target_state, assistant_state, tokens, prompt_lengt
         first = index * chunk
         chunk_tokens = jax.lax.dynamic_slice_in_dim(tokens, first, chunk, axis=1)  # [B, C]
         positions = jnp.broadcast_to(first + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
-        x, cache = target.run_layers(target.embed_tokens(chunk_tokens), positions, cache)
+        embedded = target.embed_tokens(chunk_tokens)
+        if drafter.feature_layers:
+            x, cache, features = run_tapped_layers(target, embedded, positions, cache, drafter.feature_layers)
+        else:
+            (x, cache), features = target.run_layers(embedded, positions, cache), None
         hidden = target.final_hidden(x)  # [B, C, D]
         last = prompt_lengths - 1 - first  # the row's last prompt position, within this chunk if in [0, C)
         in_chunk = (last >= 0) & (last < chunk)
         last_hidden = jnp.where(in_chunk[:, None], hidden[rows, jnp.clip(last, 0, chunk - 1)], last_hidden)
         valid = positions < prompt_lengths[:, None]
-        drafter_state = drafter.prefill_chunk(ctx, drafter_state, PrefillChunk(chunk_tokens, positions, hidden, valid))
+        drafter_state = drafter.prefill_chunk(ctx, drafter_state,
+                                              PrefillChunk(chunk_tokens, positions, hidden, valid, features))
         return cache, drafter_state, last_hidden
 
     chunks = (jnp.max(prompt_lengths) + chunk - 1) // chunk
@@ -221,7 +228,7 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
         scores = scores.at[rows[:, None], slots].set(checked.processed, mode="drop")
 
     result = RoundResult(drafted=count, accepted=n, committed=committed, tokens=verified, hidden=checked.hidden,
-                         lengths=lengths)
+                         lengths=lengths, features=checked.features)
     drafter_state = drafter.update(ctx, step.state, result)
     active = ~state.done
     c = state.counters
@@ -232,10 +239,8 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
         accepted=c.accepted + jnp.where(active, n, 0),
         accepted_hist=c.accepted_hist + (active[:, None] & (jnp.arange(k + 1)[None, :] == n[:, None])),
     )
-    return dataclasses.replace(
-        state, tokens=tokens, lengths=lengths, done=done, cache=cache, drafter=drafter_state, rng=rng, counters=counters,
-        scores=scores,
-    )
+    return dataclasses.replace(state, tokens=tokens, lengths=lengths, done=done, cache=cache, drafter=drafter_state,
+                               rng=rng, counters=counters, scores=scores)
 
 
 def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftStep, count,
@@ -258,12 +263,13 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftS
 
     def plain_step(cache):
         positions = state.lengths[:, None] - 1  # [B, 1]
-        logits, hidden, cache = drafter.target_forward(ctx, state.last_token[:, None], positions, cache, drafter_state)
-        processed = ctx.process(logits, state.tokens, state.lengths, state.prompt_lengths)  # [B, 1, V]
+        out = drafter.target_forward(ctx, state.last_token[:, None], positions, cache, drafter_state)
+        processed = ctx.process(out.logits, state.tokens, state.lengths, state.prompt_lengths)  # [B, 1, V]
         token = select(rng, processed[:, 0], spec.do_sample)
         verified = jnp.zeros((batch, k + 1), jnp.int32).at[:, 0].set(token)
         kept = to_k1(processed) if spec.return_logits else None
-        return cache, VerifyResult(jnp.zeros((batch,), jnp.int32), verified, to_k1(hidden), kept)
+        return out.cache, VerifyResult(jnp.zeros((batch,), jnp.int32), verified, to_k1(out.hidden), kept,
+                                       _maybe(to_k1, out.features))
 
     if k == 0:
         cache, checked = plain_step(step.target_cache)
@@ -273,15 +279,15 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftS
         drafts = draft.tokens[:, : width - 1]  # [B, W-1]: every row's count is at most W-1
         block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, W]
         positions = state.lengths[:, None] - 1 + jnp.arange(width)[None, :]
-        logits, hidden, cache = drafter.target_forward(ctx, block, positions, cache, drafter_state)
+        out = drafter.target_forward(ctx, block, positions, cache, drafter_state)
         # Position j judges draft j+1 with the prefix it extends: committed tokens, then d_1 .. d_j.
         draft_positions = state.lengths[:, None] + jnp.arange(width - 1)[None, :]
         with_drafts = state.tokens.at[rows[:, None], draft_positions].set(drafts, mode="drop")
-        processed = ctx.process(logits, with_drafts, state.lengths, state.prompt_lengths)  # [B, W, V]
+        processed = ctx.process(out.logits, with_drafts, state.lengths, state.prompt_lengths)  # [B, W, V]
         probs = None if draft.probs is None else draft.probs[:, : width - 1]
         n, verified = verify(rng, processed, drafts, count, probs, spec.do_sample, spec.ensemble_weight)
         kept = to_k1(processed) if spec.return_logits else None
-        return cache, VerifyResult(n, to_k1(verified), to_k1(hidden), kept)
+        return out.cache, VerifyResult(n, to_k1(verified), to_k1(out.hidden), kept, _maybe(to_k1, out.features))
 
     def drafted_step(cache):
         wide = [w for w in spec.verify_widths if w > 1]
@@ -291,6 +297,11 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftS
     # The cache is the only state the branches update (in place: see jaxspec.inplace).
     cache, checked = inplace.cond(jnp.max(count) > 0, drafted_step, plain_step, step.target_cache)
     return checked, cache
+
+
+def _maybe(fn, x):
+    """fn(x), or None for an absent optional array."""
+    return None if x is None else fn(x)
 
 
 def _commit_counts(ctx: Context, verified, n, lengths, budget_end):

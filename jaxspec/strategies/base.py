@@ -95,6 +95,7 @@ class PrefillChunk:
     positions: jax.Array  # [B, C]
     hidden: jax.Array  # [B, C, D] the target's final-normed hidden states
     valid: jax.Array  # [B, C] bool: a prompt position (past a row's prompt the chunk holds padding)
+    features: jax.Array | None = None  # [B, C, F*D] the tapped layers' outputs (Drafter.feature_layers), or None
 
 
 @jax.tree_util.register_dataclass
@@ -108,6 +109,47 @@ class RoundResult:
     tokens: jax.Array  # [B, K+1] the round's verified tokens (accepted drafts, then the target's token)
     hidden: jax.Array  # [B, K+1, D] target final-normed hidden states at [last, d_1 .. d_K] (padded)
     lengths: jax.Array  # [B] lengths after the commit
+    # [B, K+1, F*D] the tapped layers' outputs at [last, d_1 .. d_K] (padded), or None without taps. Slot j sits at
+    # position lengths - committed - 1 + j; slots j < committed hold committed tokens.
+    features: jax.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TargetOutput:
+    """One target forward, as verification and the prefill use it."""
+
+    logits: jax.Array  # [B, T, V]
+    hidden: jax.Array  # [B, T, D] final-normed
+    cache: Any
+    features: jax.Array | None = None  # [B, T, F*D] outputs of the tapped decoder layers, concatenated; or None
+
+
+def run_target(target: CausalLM, tokens: jax.Array, positions: jax.Array, cache, head: jax.Array | None,
+               feature_layers: tuple[int, ...] = ()) -> TargetOutput:
+    """The target's forward over tokens [B, T], tapping `feature_layers` when a drafter reads them."""
+    if not feature_layers:
+        logits, hidden, cache = target(tokens, positions, cache, head=head)
+        return TargetOutput(logits, hidden, cache)
+    x, cache, features = run_tapped_layers(target, target.embed_tokens(tokens), positions, cache, feature_layers)
+    hidden = target.final_hidden(x)
+    return TargetOutput(target.logits(hidden, head), hidden, cache, features)
+
+
+def run_tapped_layers(target: CausalLM, x: jax.Array, positions: jax.Array, cache,
+                      feature_layers: tuple[int, ...]) -> tuple[jax.Array, Any, jax.Array]:
+    """Every decoder layer on x (`embed_tokens` output), in segments that end at each tapped layer:
+    -> (last layer's output [B, T, D], cache, the tapped layers' outputs concatenated [B, T, F*D]).
+
+    Layer l's output is what transformers returns as `hidden_states[l + 1]` with `output_hidden_states=True`. The
+    segments compute exactly what one run would (run_layers resumes at any layer), so taps cost no extra work."""
+    taps, start = [], 0
+    for layer in feature_layers:
+        x, cache = target.run_layers(x, positions, cache, start, layer + 1)
+        taps.append(x)
+        start = layer + 1
+    x, cache = target.run_layers(x, positions, cache, start, None)
+    return x, cache, jnp.concatenate(taps, axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +181,9 @@ class Drafter:
     # Whether each draft costs one forward of a separate assistant model: then jaxspec/costs.py prices a draft by
     # timing that forward, instead of keeping the schedule's share-of-weights estimate.
     drafts_with_assistant_forwards = False
+    # Decoder layers (0-based, ascending) whose outputs the drafter reads (block and EAGLE-style drafters): the loop
+    # taps them in every target forward and hands them over with the prompt's chunks and each verified round.
+    feature_layers: tuple[int, ...] = ()
 
     def runtime_inputs(self) -> dict[str, np.ndarray]:
         """Settings that enter the loop as arrays, so new values reuse the executable. A drafter reads them from
@@ -169,9 +214,9 @@ class Drafter:
         """Small per-row arrays worth returning to the caller (e.g. the adapted draft length)."""
         return {}
 
-    def target_forward(self, ctx: Context, tokens, positions, cache, state):
-        """The verifying forward: `(logits, hidden, cache)`. Early exit overrides it to reuse its layers."""
-        return ctx.target(tokens, positions, cache, head=ctx.head)
+    def target_forward(self, ctx: Context, tokens, positions, cache, state) -> TargetOutput:
+        """The verifying forward. Early exit overrides it to reuse its layers."""
+        return run_target(ctx.target, tokens, positions, cache, ctx.head, self.feature_layers)
 
 
 def room_for_drafts(loop: DecodeState) -> jax.Array:

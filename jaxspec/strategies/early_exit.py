@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from .. import inplace
 from ..costs import head_share
 from ..schedule import DraftLength
-from .base import Context, DecodeState, DraftStep, RoundResult
+from .base import Context, DecodeState, DraftStep, RoundResult, TargetOutput
 from .draft_model import AutoregressiveDrafter
 from .spec import DRAFT_LENGTH_OPTIONS, BuildRequest, Option, Strategy, StrategyChoice, draft_length
 
@@ -88,13 +88,13 @@ class EarlyExitDrafter(AutoregressiveDrafter):
     def summary(self, state: EarlyExitState) -> dict[str, jax.Array]:
         return {"num_assistant_tokens": state.length.num_tokens}
 
-    def target_forward(self, ctx: Context, tokens, positions, cache, state: EarlyExitState):
+    def target_forward(self, ctx: Context, tokens, positions, cache, state: EarlyExitState) -> TargetOutput:
         """Verification from layer E on: the first E layers already ran on this block while drafting."""
         target = ctx.target
         x = state.exit_hidden[:, : tokens.shape[1]]
         x, cache = target.run_layers(x, positions, cache, self.exit_layer, None)
         hidden = target.final_hidden(x)
-        return target.logits(hidden, ctx.head), hidden, cache
+        return TargetOutput(target.logits(hidden, ctx.head), hidden, cache)
 
 
 ASSISTANT_EARLY_EXIT = Option("assistant_early_exit", "E: the first E layers and the LM head draft (LayerSkip)",
