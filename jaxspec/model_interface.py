@@ -3,7 +3,8 @@
 Every family module that `jaxspec.registry` builds implements `CausalLM`; families with MTP layers also implement
 `MtpModel`; a Llama/Qwen2 with a draft vocabulary implements `DraftVocabModel`; a Gemma target implements
 `SharedKvModel` (what the Gemma 4 drafter reads); the Gemma 4 drafter itself is a `DrafterModel`, which has no
-cache and is not a `CausalLM`. The core never imports `models/`: these Protocols are the only place the surface is
+cache and is not a `CausalLM`; a DFlash drafter is a `BlockDrafterModel`, which drafts a block from the target's
+tapped hidden states and is not a `CausalLM` either. The core never imports `models/`: these Protocols are the only place the surface is
 written down, and `tests/models/test_model_interface.py` checks each family against them, parameter names included.
 
 Dimension letters: B batch, T query length, S cache length, D model width, V vocabulary (V' a draft vocabulary).
@@ -145,4 +146,43 @@ class DrafterModel(Protocol):
         """inputs [B, T, 2 D_t] (the target's scaled embedding of the token, then a hidden state), positions [B, T],
         shared_kv {layer type: (k, v) [B, S, kv_heads, head_dim]} -> logits [B, T, V] float32, next hidden
         [B, T, D_t]. Keys at or past a query's position are never read."""
+        ...
+
+
+@runtime_checkable
+class BlockDrafterModel(Protocol):
+    """A DFlash block drafter (`jaxspec.models.dflash`, either public layout): no embedding or head of its own; its
+    context is n tapped target layers' hidden states (n = len(cfg.target_layer_ids), D the drafter's width, equal to
+    the target's), kept as keys and values in its own position-indexed cache at committed positions only, so
+    rollback is a length. One forward over [bonus, mask x (W-1)] drafts W - 1 tokens (W = cfg.block_size)."""
+
+    cfg: Any  # DFlashConfig (reads: block_size, mask_token_id, target_layer_ids, hidden_size, input_embedding_scale)
+    dtype: Any
+
+    def project_context(self, target_hidden: jax.Array) -> jax.Array:
+        """target_hidden [B, T, n*D] (the tapped layers' outputs concatenated in target_layer_ids order)
+        -> context [B, T, D]."""
+        ...
+
+    def init_cache(self, batch: int, size: int) -> Cache:
+        """An empty context cache for B = `batch` rows of S = `size` positions."""
+        ...
+
+    def write_context(self, context: jax.Array, positions: jax.Array, cache: Cache) -> Cache:
+        """context [B, T, D] at positions [B, T] -> the cache with every layer's keys and values written there."""
+        ...
+
+    def draft_block(self, block_embeddings: jax.Array, positions: jax.Array, cache: Cache,
+                    lengths: jax.Array) -> jax.Array:
+        """block_embeddings [B, W, D] (the target's embedding of the block), positions [B, W], cache, lengths [B]
+        -> final-normed hidden [B, W, D]: entry j >= 1 drafts the token at positions[:, j]. Cache entries at or past
+        a row's length are never read; the block attends to itself bidirectionally (within each layer's mask)."""
+        ...
+
+    def logits(self, hidden: jax.Array, head: jax.Array) -> jax.Array:
+        """Draft logits [..., V] float32 from final-normed hidden [..., D] and the target's [D, V] head."""
+        ...
+
+    def block_tokens(self, bonus: jax.Array) -> jax.Array:
+        """bonus [B] -> the block's tokens [B, W]: the bonus token, then W - 1 mask tokens."""
         ...

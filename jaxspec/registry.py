@@ -26,6 +26,7 @@ class Family:
 
 _LLAMA = Family("jaxspec.models.llama", "LlamaConfig", "LlamaForCausalLM", "jaxspec.convert.llama")
 _GEMMA = Family("jaxspec.models.gemma", "GemmaConfig", "GemmaForCausalLM", "jaxspec.convert.gemma")
+_DFLASH = Family("jaxspec.models.dflash", "DFlashConfig", "DFlashDrafter", "jaxspec.convert.dflash")
 
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
@@ -41,6 +42,13 @@ FAMILIES: dict[str, Family] = {
     # The Gemma 4 MTP drafter: it runs only as the assistant_model of a Gemma 4 target (strategies/gemma4_drafter.py).
     "gemma4_assistant": Family("jaxspec.models.gemma4_assistant", "Gemma4AssistantConfig", "Gemma4AssistantForCausalLM",
                                "jaxspec.convert.gemma4_assistant"),
+    # DFlash block drafters (models/dflash.py): they run only beside a target, whose tapped hidden states, embedding
+    # and head they read. HF transformers' layout has its own model_type; z-lab's checkpoints say model_type "qwen3"
+    # with architectures ["DFlashDraftModel"], so their entry is keyed by that architecture, which `family_for` must
+    # consult before the model_type for them to reach it.
+    "muse_glimmer_assistant": _DFLASH,
+    "DFlashDraftModel": _DFLASH,
+    "DFlash2DraftModel": _DFLASH,  # its config raises NotImplementedError naming the parts jaxspec lacks
 }
 
 
@@ -56,8 +64,16 @@ NOT_YET: dict[str, str] = {
 }
 
 
+# Architectures that decide the family before model_type does (each a key of FAMILIES).
+ARCHITECTURE_FAMILIES = {"DFlashDraftModel", "DFlash2DraftModel"}
+
+
 def family_for(hf_config: dict[str, Any], where: str) -> Family:
-    """The family named by config.json's `model_type`; never guessed from a folder or file name."""
+    """The family named by config.json's `model_type`; never guessed from a folder or file name. Drafter layouts that
+    reuse a model_type for another network (z-lab's DFlash drafters say "qwen3") are named by their architecture."""
+    by_architecture = set(hf_config.get("architectures") or ()) & ARCHITECTURE_FAMILIES
+    if by_architecture:
+        return FAMILIES[by_architecture.pop()]
     model_type = hf_config.get("model_type")
     if model_type is None:
         raise ValueError(f"{where}: config has no `model_type`, so jaxspec cannot tell which model family it is.")

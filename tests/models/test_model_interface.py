@@ -16,7 +16,7 @@ import transformers
 from flax import nnx
 
 from jaxspec import registry
-from jaxspec.model_interface import CausalLM, DrafterModel, DraftVocabModel, MtpModel, SharedKvModel
+from jaxspec.model_interface import BlockDrafterModel, CausalLM, DrafterModel, DraftVocabModel, MtpModel, SharedKvModel
 
 B, T, S = 2, 3, 8
 
@@ -40,6 +40,14 @@ GEMMA4_DRAFTER = {"model_type": "gemma4_assistant", "backbone_hidden_size": 32,
                                   "head_dim": 8, "global_head_dim": 16, "sliding_window": 4,
                                   "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
                                   "layer_types": ["sliding_attention", "full_attention"]}}
+DFLASH_SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, sliding_window=4, block_size=4)
+DFLASH_DRAFTERS = {  # both layouts of the DFlash block drafter: transformers' own, and z-lab's (a Qwen3 config)
+    "muse_glimmer_assistant": dict(DFLASH_SIZES, model_type="muse_glimmer_assistant", target_layer_ids=[0, 2],
+                                   mask_token_id=100),
+    "DFlashDraftModel": dict(DFLASH_SIZES, model_type="qwen3", architectures=["DFlashDraftModel"], vocab_size=128,
+                             dflash_config={"mask_token_id": 100, "target_layer_ids": [0, 2]}),
+}
 
 
 def _hf(config_cls, **kwargs) -> dict:
@@ -61,8 +69,9 @@ CASES = {
     **{family: (family, _hf(config_cls, **DENSE, **overrides), (CausalLM, SharedKvModel))
        for family, (config_cls, overrides) in GEMMA.items()},
     "gemma4_assistant": ("gemma4_assistant", GEMMA4_DRAFTER, (DrafterModel,)),
+    **{key: (key, hf_config, (BlockDrafterModel,)) for key, hf_config in DFLASH_DRAFTERS.items()},
 }
-PROTOCOLS = (CausalLM, MtpModel, DraftVocabModel, SharedKvModel, DrafterModel)
+PROTOCOLS = (CausalLM, MtpModel, DraftVocabModel, SharedKvModel, DrafterModel, BlockDrafterModel)
 
 
 def _module(case: str):

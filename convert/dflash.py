@@ -1,0 +1,93 @@
+"""DFlash drafter tensor names (both layouts) -> jaxspec.models.dflash parameters.
+
+The two layouts name the decoder layers alike (Qwen3 names: `layers.{i}.self_attn.{q,k,v,o}_proj`, `q_norm`,
+`k_norm`, `input_layernorm`, `post_attention_layernorm`, `mlp.{gate,up,down}_proj`, and the final `norm`); they
+differ in the context projection:
+
+    jaxspec param   HF muse_glimmer_assistant            z-lab DFlashDraftModel
+    fc              encoder.fc.weight [D, n*D]           fc.weight [D, n*D]
+    hidden_norm     encoder.output_norm_enc.weight       hidden_norm.weight
+
+Attention biases exist only in z-lab's layout with `attention_bias: true`. Neither layout has an embedding or a
+head (the target's are used). Both save without a prefix (the model class is the base model); a checkpoint saved
+from a wrapper puts every name under `model.`, which is read alike. Nothing else is accepted: a DFlash 2 tensor
+(`attention_conv`, `mlp_conv`, `candidate_selector`) or any other is named as unexpected.
+"""
+
+from __future__ import annotations
+
+from jaxspec.models.dflash import DFLASH, MUSE, DFlashConfig, layer_param_shapes, top_param_shapes
+
+from .rules import (
+    Ignore,
+    IndexedRule,
+    TensorSource,
+    convert_indexed,
+    merge_heads_out,
+    split_head_bias,
+    split_heads,
+    transposed,
+)
+
+LAYER = r"layers\.(\d+)\."
+CONTEXT_NAMES = {  # param -> tensor name, per layout
+    MUSE: {"fc": r"encoder\.fc\.weight", "hidden_norm": r"encoder\.output_norm_enc\.weight"},
+    DFLASH: {"fc": r"fc\.weight", "hidden_norm": r"hidden_norm\.weight"},
+}
+
+
+def _prefix(source: TensorSource) -> str:
+    """`model\\.` when the checkpoint was saved under a wrapper (its final norm is `model.norm.weight`), else none."""
+    return r"model\." if "model.norm.weight" in source.shapes else ""
+
+
+def rules(cfg: DFlashConfig, prefix: str = "") -> list[IndexedRule]:
+    d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    names = CONTEXT_NAMES[cfg.layout]
+    top = [
+        IndexedRule(names["fc"], "fc", transposed()),  # [D, n*D] -> [n*D, D]
+        IndexedRule(names["hidden_norm"], "hidden_norm"),
+        IndexedRule(r"norm\.weight", "final_norm"),
+    ]
+    layer = [  # stacked params `layers.{name}` [num_layers, ...]: the group is the layer
+        (r"input_layernorm\.weight", "attn_norm", None),
+        (r"self_attn\.q_proj\.weight", "wq", split_heads(d, h, dh)),
+        (r"self_attn\.k_proj\.weight", "wk", split_heads(d, k, dh)),
+        (r"self_attn\.v_proj\.weight", "wv", split_heads(d, k, dh)),
+        (r"self_attn\.q_proj\.bias", "bq", split_head_bias(h, dh)),
+        (r"self_attn\.k_proj\.bias", "bk", split_head_bias(k, dh)),
+        (r"self_attn\.v_proj\.bias", "bv", split_head_bias(k, dh)),
+        (r"self_attn\.o_proj\.weight", "wo", merge_heads_out(h, dh)),
+        (r"self_attn\.o_proj\.bias", "bo", None),
+        (r"self_attn\.q_norm\.weight", "q_norm", None),
+        (r"self_attn\.k_norm\.weight", "k_norm", None),
+        (r"post_attention_layernorm\.weight", "mlp_norm", None),
+        (r"mlp\.gate_proj\.weight", "w_gate", transposed()),
+        (r"mlp\.up_proj\.weight", "w_up", transposed()),
+        (r"mlp\.down_proj\.weight", "w_down", transposed()),
+    ]
+    return ([IndexedRule(prefix + r.pattern, r.param, r.transform) for r in top]
+            + [IndexedRule(prefix + LAYER + pattern, f"layers.{param}", transform)
+               for pattern, param, transform in layer])
+
+
+def ignores(prefix: str = "") -> list[Ignore]:
+    return [Ignore(prefix + r"(layers\.\d+\.self_attn\.)?rotary_emb\.(original_)?inv_freq",
+                   "recomputed from the config")]
+
+
+def param_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    """Top-level params, and each layer param stacked over layers as `layers.{name}` (split per layer afterwards)."""
+    stacked = {f"layers.{name}": (cfg.num_layers, *shape) for name, shape in layer_param_shapes(cfg).items()}
+    return top_param_shapes(cfg) | stacked
+
+
+def convert_checkpoint(cfg: DFlashConfig, source: TensorSource, dtype, progress=None) -> dict:
+    """-> the module's pure dict: `fc`, `hidden_norm`, `final_norm`, and `layers: {i: {param: array}}`. Every tensor
+    fills exactly one slot or is an ignored rotary buffer; a missing, unexpected or mis-shaped one is named."""
+    prefix = _prefix(source)
+    params = convert_indexed(source, rules(cfg, prefix), ignores(prefix), param_shapes(cfg), dtype, progress=progress)
+    out = {name: params[name] for name in top_param_shapes(cfg)}
+    out["layers"] = {i: {name: params[f"layers.{name}"][i] for name in layer_param_shapes(cfg)}
+                     for i in range(cfg.num_layers)}
+    return out
