@@ -49,6 +49,15 @@ def test_a_tied_model_decodes_as_transformers_does_and_uses_the_copy(tied):
     for strategy in (dict(prompt_lookup_num_tokens=4), dict(assistant_early_exit=2, num_assistant_tokens=3)):
         out = jaxspec.generate(model, ids, mask, max_new_tokens=32, **strategy)
         np.testing.assert_array_equal(out.sequences, expected)
+    # The copy is what the target's forwards read: negated, it makes each chosen token the argmin of the logits
+    # (had generate made a fresh copy instead, the output would still be transformers').
+    source, mesh, copy = model.head_cache
+    model.head_cache = (source, mesh, -copy)
+    try:
+        poisoned = jaxspec.generate(model, ids, mask, max_new_tokens=32, prompt_lookup_num_tokens=4)
+    finally:
+        model.head_cache = (source, mesh, copy)
+    assert not np.array_equal(poisoned.sequences, expected)
 
 
 def test_sharded_tied_model_equals_single_device(tied):

@@ -1,5 +1,5 @@
 """The generate CLI (jaxspec/cli/generate.py; scripts/generate.py runs it) end to end on a tiny model with a tokenizer:
-text, counters and --json output."""
+text, counters and --json output, which names the strategy that ran and counts its drafts."""
 
 from __future__ import annotations
 
@@ -30,15 +30,29 @@ def no_compilation_cache(monkeypatch):
     monkeypatch.setenv("JAXSPEC_COMPILATION_CACHE", "off")
 
 
-@pytest.mark.parametrize("strategy_args", [[], ["--strategy", "prompt_lookup", "--compare-plain"],
-                                           ["--strategy", "early_exit", "--assistant-early-exit", "2"]])
-def test_json_output(cli, folder, capsys, strategy_args):
+@pytest.mark.parametrize("strategy, strategy_args", [
+    pytest.param("greedy", [], id="greedy"),
+    pytest.param("prompt_lookup", ["--strategy", "prompt_lookup", "--compare-plain"], id="prompt_lookup"),
+    # A zero threshold: with the default one the tiny random model's early-exit drafts are all doubted, none proposed.
+    pytest.param("early_exit", ["--strategy", "early_exit", "--assistant-early-exit", "2",
+                                "--assistant-confidence-threshold", "0"], id="early_exit"),
+])
+def test_json_output_reports_the_strategy_that_ran(cli, folder, capsys, strategy, strategy_args):
+    """--json reports the requested strategy, and a drafting strategy's drafts (prompt lookup finds the prompt's
+    repeated bigram; early exit runs its draft forwards): the CLI ran that strategy, not plain decoding."""
     code = cli.main(["--model", folder, "--prompt", "w5 w6 w7 w5 w6", "--max-new-tokens", "6", "--json",
                      *strategy_args])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["strategy"] == strategy
     assert 1 <= len(report["new_ids"]) <= 6 and isinstance(report["text"], str)
     assert report["target_forwards"] >= 1 and "acceptance_rate" in report
+    if strategy == "greedy":
+        assert sum(report["drafted"]) == 0 and report["draft_forwards"] == 0
+    else:
+        assert sum(report["drafted"]) > 0
+    if strategy == "early_exit":
+        assert report["draft_forwards"] > 0
     if "--compare-plain" in strategy_args:
         assert report["same_tokens_as_plain"] is True
 

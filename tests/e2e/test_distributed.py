@@ -1,12 +1,16 @@
 """Several processes, one program (`jaxspec.distributed`): local CPU processes joined by `jax.distributed` on
 127.0.0.1 with gloo collectives, each with its own fake CPU devices, started from pytest with subprocess.
 
+Slow only, every test here (each starts JAX and compiles in several processes, 20-50 s and more): the default suite
+runs no second process. What it checks of sharding runs in one process (a mesh of fake CPU devices: e.g.
+tests/strategies/test_every_strategy.py, tests/models/test_expert_parallel.py).
+
 - Two processes x 2 devices load an FP8 DeepSeek-V3 checkpoint (with an MTP layer) sharded on a (data, model,
   expert) = (1, 2, 2) mesh and generate with plain greedy, sampling and use_mtp; both get back exactly what one
   process with 4 devices gets on the same mesh shape, whose greedy tokens equal those of one unsharded device. The
   two processes also save the sharded model as a conversion folder together and restore it into the same shardings.
-- (slow) Prompt lookup, early exit and an assistant model give the same tokens across processes too.
-- (slow) Four processes x 1 device each load their quarter of a ~300 MB checkpoint: each one's peak resident memory
+- Prompt lookup, early exit and an assistant model give the same tokens across processes too.
+- Four processes x 1 device each load their quarter of a ~300 MB checkpoint: each one's peak resident memory
   grows by well under the checkpoint's size (the bound is stated in the test).
 """
 

@@ -1,6 +1,9 @@
 """notebooks/quickstart.ipynb runs top to bottom (nbclient, CPU, 8 fake devices) on a tiny random Llama, so that it
 cannot rot: every cell but the Colab install cell executes without an error, and the outputs say what the notebook
-promises (every strategy's greedy output identical to plain greedy, sharded output equal to unsharded, a plot)."""
+promises (the greedy output of each strategy it runs identical to plain greedy, sharded output equal to unsharded,
+a plot).
+
+Slow only (~55 s): the default suite runs only the character tokenizer check below, not the notebook."""
 
 from __future__ import annotations
 

@@ -258,7 +258,10 @@ def test_mtp_step_with_caches_equals_from_scratch(mtp_case):
     """Draft rounds with forced partial acceptance (all, none, some): each round re-runs a fixed window of W
     positions per depth, ending at its newest token, on top of the persistent per-depth caches. Stale entries of
     rejected drafts sit at positions the window rewrites before any query reads them. After the last round the drafts
-    must equal the from-scratch chain over the final sequence (which both rows reach with different histories)."""
+    must equal the from-scratch chain over the final sequence (which both rows reach with different histories).
+
+    The model's step alone, compared after the last round: the drafter driven round by round, with every round
+    compared and idle rounds in between, is tests/strategies/test_mtp.py's slow-only from-scratch chain test."""
     module, k = mtp_case.module, mtp_case.module.num_mtp_layers
     prompt = 6
     window = prompt - 1  # covers the prompt in round one, and >= 2K positions (every stale entry) later

@@ -1,5 +1,6 @@
 """Int8 (W8A8) models: the product against a numpy reference, quantized models against their float32 selves, a
-quantized assistant's greedy output against plain greedy, errors."""
+quantized assistant's greedy output against plain greedy, its sampled output against the target's exact law (slow
+only: the default suite samples with float assistants only), errors."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jaxspec
 import jaxspec.checkpoint
 from jaxspec.models import int8 as I
 from jaxspec.quantize import is_quantized, quantize
-from tests.fixtures import hf_models
+from tests.fixtures import hf_models, oracles
 from tests.fixtures.moe import CASES, save_checkpoint
 from tests.fixtures.prompts import PROMPTS, left_padded
 
@@ -123,6 +124,22 @@ def test_a_quantized_assistant_keeps_greedy_output(target, batch):
                            assistant_confidence_threshold=0.0)
     np.testing.assert_array_equal(out.sequences, plain)
     assert out.accepted.sum() > 0.5 * out.drafted.sum() > 0
+
+
+@pytest.mark.slow  # ~40 s: 6000 rows
+def test_sampling_with_a_quantized_assistant_is_exact(tiny_llama_dir, target):
+    """Slow only. 6000 rows, budget K + 2 with K = 3 drafts of the target's own int8 copy: the first three sampled
+    tokens follow the float32 target's exact law over the whole vocabulary; q is the int8 assistant's distribution,
+    which differs from p enough to reject some drafts."""
+    prompt, k, rows = [5, 6, 7, 8], 3, 6000
+    exact = oracles.exact_marginals(hf_models.load_hf(tiny_llama_dir), prompt, positions=3)
+    out = jaxspec.generate(target, [prompt] * rows, seed=3, max_new_tokens=k + 2, do_sample=True, top_k=0,
+                           eos_token_id=[], assistant_model=quantize(target), num_assistant_tokens=k,
+                           num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+    assert out.drafted.sum() >= rows * k and 0 < out.accepted.sum() < out.drafted.sum()
+    new = out.sequences[:, len(prompt):]
+    for i in range(3):
+        assert oracles.goodness_of_fit(new[:, i], exact[i]) > 1e-3, i
 
 
 @pytest.mark.slow

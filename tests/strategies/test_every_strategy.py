@@ -1,4 +1,10 @@
-"""Properties every strategy must keep, checked for each one: bfloat16 greedy identity and sharded == unsharded."""
+"""Two properties a drafting strategy must keep, checked on four rows of the strategy table: prompt lookup, early
+exit, an assistant model (speculative) and MTP. Universal decoding and the Gemma 4 drafter are not checked here.
+
+- bfloat16 greedy output equals plain greedy: MTP and the assistant in the default suite, prompt lookup and early
+  exit in the slow suite only.
+- A 2x2 (data, model) mesh gives what one device gives: all four, in the default suite.
+"""
 
 from __future__ import annotations
 
