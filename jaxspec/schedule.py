@@ -78,6 +78,9 @@ class Schedule:
     widths: tuple[int, ...] = ()  # the verify widths of the loop (adaptive); () means the cap alone decides
     verify_costs: tuple[float, ...] = ()  # the cost of each width, in plain steps
     draft_cost: float = 0.0  # the cost of proposing one draft, in plain steps (0 for copied drafts)
+    # The cost of any round that drafts at all, however many drafts it verifies, in plain steps: a block drafter
+    # (DFlash) drafts its whole block in one forward.
+    round_cost: float = 0.0
 
     PRIOR_ACCEPTANCE = 0.6  # before any evidence, a row assumes this acceptance ...
     PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
@@ -99,7 +102,7 @@ class Schedule:
         that idle probing stays within a few percent for any drafter."""
         if 2 not in self.widths:
             return 1
-        probe_cost = self.verify_costs[self.widths.index(2)] - 1 + self.draft_cost
+        probe_cost = self.verify_costs[self.widths.index(2)] - 1 + self.draft_cost + self.round_cost
         return max(1, math.ceil(probe_cost / self.PROBE_UNIT - 1e-9))
 
     def acceptance(self, state: DraftLength) -> jax.Array:
@@ -124,7 +127,7 @@ class Schedule:
         drafts = jnp.asarray(self.widths, jnp.float32) - 1  # [N] the drafts each width holds
         rate = jnp.clip(self.acceptance(state), 0.0, 0.999)[:, None]  # [B, 1]
         expected = (1 - rate ** (drafts + 1)) / (1 - rate)  # [B, N] tokens a round commits
-        cost = jnp.asarray(self.verify_costs, jnp.float32) + self.draft_cost * drafts
+        cost = jnp.asarray(self.verify_costs, jnp.float32) + self.draft_cost * drafts + self.round_cost * (drafts > 0)
         return jnp.asarray(self.widths)[jnp.argmax(expected / cost, axis=-1)] - 1
 
     def update(self, state: DraftLength, result: RoundResult, cap: int) -> DraftLength:
@@ -151,10 +154,11 @@ class Schedule:
         return DraftLength(num_tokens=num_tokens, misses=misses, cooldown=cooldown, accepted=accepted, judged=judged)
 
 
-def make_schedule(kind: str, initial: int, max_draft: int, draft_cost: float) -> Schedule:
-    """A schedule; the adaptive one gets the loop's verify widths, their default costs and the cost of one draft."""
+def make_schedule(kind: str, initial: int, max_draft: int, draft_cost: float, round_cost: float = 0.0) -> Schedule:
+    """A schedule; the adaptive one gets the loop's verify widths, their default costs, the cost of one draft and
+    the fixed cost of a drafting round."""
     if kind != "adaptive":
         return Schedule(kind, initial=initial)
     widths = verify_widths(max_draft)
     return Schedule(kind, initial=initial, widths=widths, verify_costs=default_verify_costs(widths),
-                    draft_cost=round(float(draft_cost), 3))
+                    draft_cost=round(float(draft_cost), 3), round_cost=round(float(round_cost), 3))

@@ -7,8 +7,8 @@ validates and dispatches with these rows, `DraftingConfig` accepts exactly their
 
 A call selects a row by the argument that selects it (transformers' rule: `assistant_model`, `prompt_lookup_num_tokens`,
 `assistant_early_exit`; jaxspec's `use_mtp`), or names it (`DraftingConfig(strategy=...)`, the CLI's `--strategy`).
-The three rows selected by `assistant_model` tell from the assistant which one a call is: a Gemma 4 drafter
-checkpoint, an assistant with another tokenizer, else a plain assistant. Anything a row does not accept is an error
+The rows selected by `assistant_model` tell from the assistant which one a call is: a Gemma 4 drafter checkpoint,
+a DFlash block drafter, an assistant with another tokenizer, else a plain assistant. Anything a row does not accept is an error
 that names it: nothing is ignored in silence.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from .dflash import DFLASH
 from .draft_model import SPECULATIVE
 from .early_exit import EARLY_EXIT
 from .gemma4_drafter import MTP_DRAFTER
@@ -28,7 +29,8 @@ from .universal import UNIVERSAL
 
 # Plain decoding; model-free drafts; the target's own layers; then the assistant_model rows, most specific first
 # (rows that share a selecting argument are tried in this order, and the first that claims the call wins).
-STRATEGIES: tuple[Strategy, ...] = (GREEDY, PROMPT_LOOKUP, EARLY_EXIT, MTP, MTP_DRAFTER, UNIVERSAL, SPECULATIVE)
+STRATEGIES: tuple[Strategy, ...] = (GREEDY, PROMPT_LOOKUP, EARLY_EXIT, MTP, MTP_DRAFTER, DFLASH, UNIVERSAL,
+                                    SPECULATIVE)
 BY_NAME: dict[str, Strategy] = {row.name: row for row in STRATEGIES}
 # Every strategy option by name (rows share the draft-length options, as the same Option objects).
 OPTIONS: dict[str, Option] = {option.name: option for row in STRATEGIES for option in row.options}

@@ -25,7 +25,6 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 from transformers.cache_utils import DFlashCache, DynamicCache
-from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant import MuseGlimmerAssistantModel
 
 import jaxspec
 from jaxspec.convert.errors import CheckpointError
@@ -34,6 +33,8 @@ from jaxspec.models.dflash import DFLASH, DFlashConfig, DFlashDrafter
 
 # z-lab's reference modeling code; the README's test command installs it (`pip install --no-deps dflash==0.1.0`).
 from dflash import model as dflash_model  # noqa: E402
+
+from tests.fixtures import dflash as dflash_fixtures  # noqa: E402
 
 D, V, W, MASK = 32, 96, 4, 95  # width, the target's vocabulary, block size, mask token id
 TARGET_LAYERS = [0, 2]
@@ -50,25 +51,14 @@ ROUNDS = [np.array([7, 3]), np.array([2, 5])]  # context entries committed per r
 CACHE = 24  # S
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Every weight random, norms around 1, so no tensor is left at an init that would hide a mistake."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.2 * noise if "norm" in name else 0.2 * noise)
-    return model.eval()
-
-
 def _muse(seed=0, **overrides):
-    config = transformers.AutoConfig.for_model("muse_glimmer_assistant", **(MUSE | overrides))
-    return _randomize(MuseGlimmerAssistantModel(config), seed)
+    return dflash_fixtures.muse(MUSE | overrides, seed)
 
 
 def _zlab(seed=1, **overrides):
     config = transformers.Qwen3Config(**(ZLAB | overrides))
     config.architectures = [DFLASH]
-    return _randomize(dflash_model.DFlashDraftModel(config), seed)
+    return dflash_fixtures.randomize(dflash_model.DFlashDraftModel(config), seed)
 
 
 @pytest.fixture(scope="module")

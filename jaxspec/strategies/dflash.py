@@ -1,0 +1,172 @@
+"""DFlash block drafting (`assistant_model=` a DFlash drafter; transformers' `speculation_type="dflash"`).
+
+The drafter's context is the target's own hidden states at `target_layer_ids` (feature taps, jaxspec/strategies/
+base.py), projected by the drafter and written into its position-indexed context cache at committed positions only:
+from the prompt's chunks, then from each verified round's committed tokens. So rollback is a length, as for every
+cache, and nothing a rejected draft produced is ever read. One drafter forward over `[last, mask x K]` at positions
+L-1 .. L-1+K (L the row's committed length; the context covers the positions below L-1) drafts a whole block;
+the drafts' logits come from the target's LM head.
+
+Exact sampling: draft j is drawn from the drafter's logits at block position j processed with the prefix it extends
+(the committed tokens and drafts 1..j-1, as the target's logits are when verifying), and q_j is that distribution.
+The block's logits do not depend on which tokens were drawn (the block holds mask tokens), so drawing each position
+from its own q_j, one after another, is the drafter's distribution; the usual speculative verify with those q_j
+keeps the output the target's. Both references do the same at batch 1, as far as their code reads:
+transformers 5.23's `DFlashTokenCandidateGenerator` draws drafts one by one from the processed logits and returns
+them as q; the dflash package's `dflash_generate` draws from and verifies with the same temperature / top-p / top-k
+warping (it applies no other processor).
+
+How much of the block a row verifies follows the shared schedule (adaptive by default): the block costs one drafter
+forward whatever its length (`Schedule.round_cost`), and a verify block of each width costs what was measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..costs import weight_bytes
+from ..sampling import select
+from ..schedule import DraftLength, Schedule, make_schedule
+from .base import Context, DecodeState, Draft, Drafter, DraftStep, PrefillChunk, RoundResult, room_for_drafts
+from .spec import (ASSISTANT_ENSEMBLE_WEIGHT, ASSISTANT_MODEL, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE,
+                   BuildRequest, Option, Strategy, StrategyChoice, check_positive_int, schedule_kind)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class BlockState:
+    cache: Any  # the drafter's context cache: each layer's keys and values of the context, by position
+    length: DraftLength
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockDrafter(Drafter):
+    schedule: Schedule = Schedule()
+    keep_probs: bool = False
+    # The context's layers in the drafter's order (target_layer_ids); feature_layers holds them sorted and unique,
+    # as the loop taps them. `final_layer`: the target's last layer, whose tap enters the context final-normed
+    # (transformers' hidden_states[-1] is).
+    context_layers: tuple[int, ...] = ()
+    final_layer: int = -1
+
+    def runtime_inputs(self) -> dict[str, np.ndarray]:
+        return {"initial_draft_length": np.int32(self.schedule.initial)}
+
+    def init(self, ctx: Context, batch: int, size: int) -> BlockState:
+        return BlockState(cache=ctx.assistant.init_cache(batch, size),
+                          length=self.schedule.init(batch, ctx.draft_inputs["initial_draft_length"]))
+
+    def prefill_chunk(self, ctx: Context, state: BlockState, chunk: PrefillChunk) -> BlockState:
+        positions = jnp.where(chunk.valid, chunk.positions, state.cache.size)  # padding past a prompt: dropped
+        return dataclasses.replace(state, cache=self._write(ctx, chunk.features, positions, state.cache))
+
+    def draft(self, ctx: Context, loop: DecodeState, state: BlockState, rng: jax.Array) -> DraftStep:
+        limit = jnp.minimum(self.schedule.allowed(state.length), room_for_drafts(loop))  # [B]
+
+        def run(_):
+            return self._draft_block(ctx, loop, state.cache, limit, rng), jnp.ones((), jnp.int32)
+
+        def skip(_):
+            batch = loop.lengths.shape[0]
+            probs = jnp.zeros((batch, self.max_draft, ctx.target.cfg.vocab_size), jnp.float32) \
+                if self.keep_probs else None
+            empty = Draft(tokens=jnp.zeros((batch, self.max_draft), jnp.int32), count=jnp.zeros((batch,), jnp.int32),
+                          probs=probs)
+            return empty, jnp.zeros((), jnp.int32)
+
+        draft, forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, None)
+        return DraftStep(draft=draft, state=state, forwards=forwards, target_cache=loop.cache)
+
+    def _draft_block(self, ctx: Context, loop: DecodeState, cache, limit, rng) -> Draft:
+        """One drafter forward over its block [last, mask x (W-1)], then drafts 1..K, each drawn from its processed
+        distribution."""
+        drafter, target = ctx.assistant, ctx.target
+        k, batch = self.max_draft, loop.lengths.shape[0]
+        block = drafter.block_tokens(loop.last_token)  # [B, W]: the whole block, whatever K uses of it (W >= K + 1)
+        embedded = target.embed_tokens(block)[..., : target.cfg.hidden_size] * drafter.cfg.input_embedding_scale
+        positions = (loop.lengths - 1)[:, None] + jnp.arange(block.shape[1])[None, :]  # [B, W]
+        hidden = drafter.draft_block(embedded, positions, cache, loop.lengths - 1)  # [B, W, D]
+        head = ctx.head if ctx.head is not None else target.head_matrix()
+        logits = drafter.logits(hidden[:, 1:k + 1], head)  # [B, K, V]: entry j drafts the token at position L + j
+        rows = jnp.arange(batch)
+        tokens, probs, history = [], [], loop.tokens
+        for j in range(k):  # K is static and small; each draft's processing sees the drafts before it
+            processed = ctx.process(logits[:, j:j + 1], history, loop.lengths + j, loop.prompt_lengths)[:, 0]
+            token = select(jax.random.fold_in(rng, j), processed, ctx.do_sample)  # [B]
+            history = history.at[rows, loop.lengths + j].set(token, mode="drop")
+            tokens.append(token)
+            if self.keep_probs:
+                probs.append(draft_distribution(processed))
+        return Draft(tokens=jnp.stack(tokens, axis=1), count=limit.astype(jnp.int32),
+                     probs=jnp.stack(probs, axis=1) if self.keep_probs else None)
+
+    def update(self, ctx: Context, state: BlockState, result: RoundResult) -> BlockState:
+        """Write the committed tokens' context: slot j of the round sits at lengths - committed - 1 + j."""
+        slots = jnp.arange(result.features.shape[1])[None, :]
+        first = result.lengths - result.committed - 1
+        positions = jnp.where(slots < result.committed[:, None], first[:, None] + slots, state.cache.size)
+        cache = self._write(ctx, result.features, positions, state.cache)
+        return BlockState(cache=cache, length=self.schedule.update(state.length, result, self.max_draft))
+
+    def _write(self, ctx: Context, features: jax.Array, positions: jax.Array, cache):
+        """features [B, T, F*D] (the tapped layers, sorted) -> the drafter's context written at positions [B, T]."""
+        width = ctx.target.cfg.hidden_size
+        taps = {layer: features[..., i * width:(i + 1) * width] for i, layer in enumerate(self.feature_layers)}
+        if self.final_layer in taps:
+            taps[self.final_layer] = ctx.target.final_hidden(taps[self.final_layer])
+        context = ctx.assistant.project_context(jnp.concatenate([taps[layer] for layer in self.context_layers], -1))
+        return ctx.assistant.write_context(context, positions, cache)
+
+    def summary(self, state: BlockState) -> dict[str, jax.Array]:
+        return {"num_assistant_tokens": state.length.num_tokens}
+
+
+def draft_distribution(processed: jax.Array) -> jax.Array:
+    """q of a draft: the distribution `select` draws it from, processed logits [B, V] -> probabilities [B, V]."""
+    return jax.nn.softmax(processed, axis=-1)
+
+
+def is_block_drafter(model) -> bool:
+    return hasattr(getattr(model, "module", None), "draft_block")
+
+
+SPECULATION_TYPE = Option("speculation_type", "transformers' name for the strategy: 'dflash'", type=str,
+                          choices=("dflash",), flag="--speculation-type")
+
+
+def build(request: BuildRequest) -> StrategyChoice:
+    drafter_model, target = request.options["assistant_model"], request.model
+    cfg = drafter_model.config
+    cfg.check_target(target.config)
+    block = cfg.block_size - 1  # drafts per block: the most a round can verify
+    drafts = request.options.get("num_assistant_tokens") or block
+    check_positive_int("num_assistant_tokens", drafts)
+    if drafts > block:
+        raise ValueError(f"num_assistant_tokens ({drafts}) exceeds the DFlash drafter's block of {block} drafts "
+                         f"(block_size {cfg.block_size}).")
+    kind = schedule_kind(request.options.get("num_assistant_tokens_schedule") or "adaptive", ("adaptive", "constant"),
+                         "DFlash")
+    # A block costs one drafter forward (memory-bound: its weights' share of a target step), however long it is.
+    block_cost = weight_bytes(drafter_model.module) / weight_bytes(target.module)
+    schedule = make_schedule(kind, drafts, drafts, draft_cost=0.0, round_cost=block_cost)
+    drafter = BlockDrafter(max_draft=drafts, schedule=schedule, keep_probs=request.keep_probs,
+                           feature_layers=tuple(sorted(set(cfg.target_layer_ids))),
+                           context_layers=tuple(cfg.target_layer_ids), final_layer=target.config.num_layers - 1)
+    return StrategyChoice(DFLASH, drafter, drafter_model)
+
+
+DFLASH = Strategy(
+    name="dflash",
+    summary="a DFlash block drafter drafts a whole block from the target's hidden states in one forward "
+            "(--assistant PATH)",
+    selected_by="assistant_model",
+    claims=lambda request: is_block_drafter(request.options["assistant_model"]),
+    options=(ASSISTANT_MODEL, SPECULATION_TYPE, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE,
+             ASSISTANT_ENSEMBLE_WEIGHT),
+    build=build,
+)

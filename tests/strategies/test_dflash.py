@@ -1,0 +1,100 @@
+"""DFlash block drafting in the compiled loop: greedy output equals plain greedy and transformers'
+`speculation_type="dflash"` run, and sampling is exact (with a lossy-q negative control through the same check)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import jaxspec
+from jaxspec import loop
+from jaxspec.strategies import dflash as dflash_strategy
+from tests.fixtures import dflash as dflash_fixtures
+from tests.fixtures import hf_models, oracles
+
+BLOCK = 5  # block_size: the bonus token and 4 mask tokens, 4 drafts a block
+DRAFTER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=8, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+               target_layer_ids=[1, 3], block_size=BLOCK, mask_token_id=127)  # layer 3: the target's last
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6], [3, 4, 5, 3, 4], [20, 21, 22]]
+# Sampling tests: a high temperature flattens both the target's and the random drafter's distributions, so that
+# drafts are often accepted (acceptance is 1 - TV(p, q)) and multi-draft rounds are common.
+TEMPERATURE = 3.0
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dflash")
+    reference = dflash_fixtures.muse(DRAFTER, seed=3)
+    reference.save_pretrained(folder)
+    return jaxspec.load(tiny_llama_dir), jaxspec.load(str(folder)), hf_models.load_hf(tiny_llama_dir), reference
+
+
+def test_the_drafter_selects_the_dflash_row(pair):
+    target, drafter, *_ = pair
+    out = jaxspec.generate(target, PROMPTS[:1], max_new_tokens=6, assistant_model=drafter)
+    assert out.strategy == "dflash"
+    named = jaxspec.generate(target, PROMPTS[:1], max_new_tokens=6, assistant_model=drafter,
+                             speculation_type="dflash")
+    np.testing.assert_array_equal(named.sequences, out.sequences)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "adaptive"])
+def test_greedy_equals_plain_greedy(pair, schedule):
+    target, drafter, *_ = pair
+    plain = jaxspec.generate(target, PROMPTS, max_new_tokens=24, eos_token_id=[])
+    out = jaxspec.generate(target, PROMPTS, max_new_tokens=24, eos_token_id=[], assistant_model=drafter,
+                           num_assistant_tokens_schedule=schedule)
+    np.testing.assert_array_equal(out.sequences, plain.sequences)
+    if schedule == "constant":  # one drafter forward a round, but where no row has room left for a draft
+        assert (out.drafted > 0).all() and out.rounds - 1 <= out.draft_forwards <= out.rounds
+
+
+def test_greedy_equals_transformers_dflash(pair):
+    target, drafter, hf_target, hf_drafter = pair
+    ids = torch.tensor(PROMPTS[:1])
+    with torch.no_grad():
+        expected = hf_target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=hf_drafter,
+                                      speculation_type="dflash", max_new_tokens=16, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)
+    out = jaxspec.generate(target, PROMPTS[:1], max_new_tokens=16, eos_token_id=[], assistant_model=drafter,
+                           num_assistant_tokens_schedule="constant")
+    np.testing.assert_array_equal(out.sequences, expected.numpy())
+
+
+def _sampled_first_tokens(target, drafter, rows: int):
+    prompt = PROMPTS[2]
+    out = jaxspec.generate(target, [prompt] * rows, max_new_tokens=4, do_sample=True, temperature=TEMPERATURE, top_k=0,
+                           seed=11, eos_token_id=[], assistant_model=drafter, num_assistant_tokens=3,
+                           num_assistant_tokens_schedule="constant")
+    return out, out.sequences[:, len(prompt):]
+
+
+def test_sampling_is_exact_and_a_lossy_q_is_caught(pair, monkeypatch):
+    """4000 rows: the first three tokens follow the target's processed law (here, at TEMPERATURE). The control takes
+    q from the drafter's logits before processing (the lossy slip transformers makes in its Gemma 4 path) and must be
+    rejected by the same check."""
+    target, drafter, hf_target, _ = pair
+    exact = oracles.exact_marginals(hf_target, PROMPTS[2], positions=3, temperature=TEMPERATURE)
+    out, new = _sampled_first_tokens(target, drafter, 4000)
+    multi = int(out.accepted_hist[:, 2:].sum())
+    assert multi > 1000, f"only {multi} rounds accepted two or more drafts"
+    for i in range(3):
+        assert oracles.goodness_of_fit(new[:, i], exact[i]) > 1e-3, i
+
+    def raw_q(processed):  # q at temperature 1 (processed logits are the raw ones over TEMPERATURE)
+        return jax.nn.softmax(processed * TEMPERATURE, axis=-1)
+
+    monkeypatch.setattr(dflash_strategy, "draft_distribution", raw_q)
+    loop._compiled.clear()
+    jax.clear_caches()
+    try:
+        _, lossy = _sampled_first_tokens(target, drafter, 4000)
+    finally:
+        monkeypatch.undo()
+        loop._compiled.clear()
+        jax.clear_caches()
+    p_values = [oracles.goodness_of_fit(lossy[:, i], exact[i]) for i in range(3)]
+    assert min(p_values) < 1e-6, p_values
