@@ -23,9 +23,7 @@ from .rules import (
     IndexedRule,
     TensorSource,
     convert_indexed,
-    merge_heads_out,
-    split_head_bias,
-    split_heads,
+    gqa_attention_rules,
     transposed,
 )
 
@@ -51,16 +49,8 @@ def rules(cfg: DFlashConfig, prefix: str = "") -> list[IndexedRule]:
     ]
     layer = [  # stacked params `layers.{name}` [num_layers, ...]: the group is the layer
         (r"input_layernorm\.weight", "attn_norm", None),
-        (r"self_attn\.q_proj\.weight", "wq", split_heads(d, h, dh)),
-        (r"self_attn\.k_proj\.weight", "wk", split_heads(d, k, dh)),
-        (r"self_attn\.v_proj\.weight", "wv", split_heads(d, k, dh)),
-        (r"self_attn\.q_proj\.bias", "bq", split_head_bias(h, dh)),
-        (r"self_attn\.k_proj\.bias", "bk", split_head_bias(k, dh)),
-        (r"self_attn\.v_proj\.bias", "bv", split_head_bias(k, dh)),
-        (r"self_attn\.o_proj\.weight", "wo", merge_heads_out(h, dh)),
+        *gqa_attention_rules(d, h, k, dh),
         (r"self_attn\.o_proj\.bias", "bo", None),
-        (r"self_attn\.q_norm\.weight", "q_norm", None),
-        (r"self_attn\.k_norm\.weight", "k_norm", None),
         (r"post_attention_layernorm\.weight", "mlp_norm", None),
         (r"mlp\.gate_proj\.weight", "w_gate", transposed()),
         (r"mlp\.up_proj\.weight", "w_up", transposed()),

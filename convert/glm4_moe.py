@@ -11,23 +11,11 @@ import numpy as np
 from jaxspec.models.glm4_moe import Glm4MoeConfig, param_shapes
 
 from .deepseek_v3 import moe_family_ignores, moe_family_rules, plan_moe_family
-from .rules import Layout, Plan, TensorSource, merge_heads_out, read_all, split_head_bias, split_heads
+from .rules import Layout, Plan, TensorSource, gqa_attention_rules, read_all
 
 
 def attention_rules(cfg: Glm4MoeConfig) -> list[tuple[str, str, Layout | None]]:
-    d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-    return [
-        (r"self_attn\.q_proj\.weight", "wq", split_heads(d, h, dh)),
-        (r"self_attn\.k_proj\.weight", "wk", split_heads(d, k, dh)),
-        (r"self_attn\.v_proj\.weight", "wv", split_heads(d, k, dh)),
-        (r"self_attn\.q_proj\.bias", "bq", split_head_bias(h, dh)),
-        (r"self_attn\.k_proj\.bias", "bk", split_head_bias(k, dh)),
-        (r"self_attn\.v_proj\.bias", "bv", split_head_bias(k, dh)),
-        (r"self_attn\.q_norm\.weight", "q_norm", None),
-        (r"self_attn\.k_norm\.weight", "k_norm", None),
-        (r"self_attn\.o_proj\.weight", "wo", merge_heads_out(h, dh)),
-    ]
+    return gqa_attention_rules(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
 
 def plan_checkpoint(cfg: Glm4MoeConfig, source: TensorSource, dtype) -> Plan:

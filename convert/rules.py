@@ -434,3 +434,20 @@ def _missing_indexed(param_shapes, filled, rules: list[IndexedRule]) -> list[str
         slots = itertools.product(*(range(n) for n in shape[: rule.num_indices]))
         missing += [rule.hf_name(index) for index in slots if (name, index) not in filled]
     return missing
+
+
+def gqa_attention_rules(d: int, h: int, k: int, dh: int) -> list[tuple[str, str, Layout | None]]:
+    """(HF name under a layer, param, transform) of a grouped-query attention block with optional q/k/v/o biases and
+    per-head q/k norms (GLM-4.5, the DFlash drafters): width d, h query heads, k kv heads of width dh. A rule whose
+    param a config lacks is never matched (the family's param shapes decide which exist)."""
+    return [
+        (r"self_attn\.q_proj\.weight", "wq", split_heads(d, h, dh)),
+        (r"self_attn\.k_proj\.weight", "wk", split_heads(d, k, dh)),
+        (r"self_attn\.v_proj\.weight", "wv", split_heads(d, k, dh)),
+        (r"self_attn\.q_proj\.bias", "bq", split_head_bias(h, dh)),
+        (r"self_attn\.k_proj\.bias", "bk", split_head_bias(k, dh)),
+        (r"self_attn\.v_proj\.bias", "bv", split_head_bias(k, dh)),
+        (r"self_attn\.q_norm\.weight", "q_norm", None),
+        (r"self_attn\.k_norm\.weight", "k_norm", None),
+        (r"self_attn\.o_proj\.weight", "wo", merge_heads_out(h, dh)),
+    ]

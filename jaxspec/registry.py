@@ -48,7 +48,6 @@ FAMILIES: dict[str, Family] = {
     # consult before the model_type for them to reach it.
     "muse_glimmer_assistant": _DFLASH,
     "DFlashDraftModel": _DFLASH,
-    "DFlash2DraftModel": _DFLASH,  # its config raises NotImplementedError naming the parts jaxspec lacks
 }
 
 
@@ -64,16 +63,17 @@ NOT_YET: dict[str, str] = {
 }
 
 
-# Architectures that decide the family before model_type does (each a key of FAMILIES).
-ARCHITECTURE_FAMILIES = {"DFlashDraftModel", "DFlash2DraftModel"}
+# Architectures that decide the family before model_type does -> their key in FAMILIES. DFlash 2's config raises
+# NotImplementedError naming the parts jaxspec lacks.
+ARCHITECTURE_FAMILIES = {"DFlashDraftModel": "DFlashDraftModel", "DFlash2DraftModel": "DFlashDraftModel"}
 
 
 def family_for(hf_config: dict[str, Any], where: str) -> Family:
     """The family named by config.json's `model_type`; never guessed from a folder or file name. Drafter layouts that
     reuse a model_type for another network (z-lab's DFlash drafters say "qwen3") are named by their architecture."""
-    by_architecture = set(hf_config.get("architectures") or ()) & ARCHITECTURE_FAMILIES
-    if by_architecture:
-        return FAMILIES[by_architecture.pop()]
+    for architecture in hf_config.get("architectures") or ():
+        if architecture in ARCHITECTURE_FAMILIES:
+            return FAMILIES[ARCHITECTURE_FAMILIES[architecture]]
     model_type = hf_config.get("model_type")
     if model_type is None:
         raise ValueError(f"{where}: config has no `model_type`, so jaxspec cannot tell which model family it is.")

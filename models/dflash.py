@@ -320,18 +320,9 @@ TOP_AXES: dict[str, tuple[str, ...]] = {
     "hidden_norm": ("embed",),
     "final_norm": ("embed",),
 }
-LAYER_AXES: dict[str, tuple[str, ...]] = {
+LAYER_AXES: dict[str, tuple[str, ...]] = L.GQA_ATTENTION_AXES | {
     "attn_norm": ("embed",),
-    "wq": ("embed", "heads", "head_dim"),
-    "wk": ("embed", "kv_heads", "head_dim"),
-    "wv": ("embed", "kv_heads", "head_dim"),
-    "bq": ("heads", "head_dim"),
-    "bk": ("kv_heads", "head_dim"),
-    "bv": ("kv_heads", "head_dim"),
-    "wo": ("heads", "head_dim", "embed"),
     "bo": ("embed",),
-    "q_norm": ("head_dim",),
-    "k_norm": ("head_dim",),
     "mlp_norm": ("embed",),
     "w_gate": ("embed", "mlp"),
     "w_up": ("embed", "mlp"),
@@ -355,18 +346,10 @@ def layer_param_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _init_value(name: str, shape: tuple[int, ...], dtype, rngs: nnx.Rngs) -> jax.Array:
-    if "norm" in name:
-        return jnp.ones(shape, dtype)
-    if name.startswith("b"):
-        return jnp.zeros(shape, dtype)
-    return (0.02 * jax.random.normal(rngs.params(), shape)).astype(dtype)
-
-
 class DFlashLayer(nnx.Module):
     def __init__(self, cfg: DFlashConfig, dtype, rngs: nnx.Rngs):
         for name, shape in layer_param_shapes(cfg).items():
-            setattr(self, name, nnx.Param(_init_value(name, shape, dtype, rngs), logical_axes=LAYER_AXES[name]))
+            setattr(self, name, nnx.Param(L.init_value(name, shape, dtype, rngs), logical_axes=LAYER_AXES[name]))
 
     def params(self) -> dict[str, jax.Array]:
         return I.layer_params(self)
@@ -388,7 +371,7 @@ class DFlashDrafter(nnx.Module):
         self.dtype = dtype
         rngs = rngs or nnx.Rngs(0)
         for name, shape in top_param_shapes(cfg).items():
-            setattr(self, name, nnx.Param(_init_value(name, shape, dtype, rngs), logical_axes=TOP_AXES[name]))
+            setattr(self, name, nnx.Param(L.init_value(name, shape, dtype, rngs), logical_axes=TOP_AXES[name]))
         self.layers = nnx.List([DFlashLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
 
     def project_context(self, target_hidden: jax.Array) -> jax.Array:

@@ -83,17 +83,7 @@ class Glm4MoeConfig:
         )
 
 
-ATTENTION_AXES: dict[str, tuple[str, ...]] = {
-    "wq": ("embed", "heads", "head_dim"),
-    "wk": ("embed", "kv_heads", "head_dim"),
-    "wv": ("embed", "kv_heads", "head_dim"),
-    "bq": ("heads", "head_dim"),
-    "bk": ("kv_heads", "head_dim"),
-    "bv": ("kv_heads", "head_dim"),
-    "q_norm": ("head_dim",),
-    "k_norm": ("head_dim",),
-    "wo": ("heads", "head_dim", "embed"),
-}
+ATTENTION_AXES: dict[str, tuple[str, ...]] = L.GQA_ATTENTION_AXES
 
 
 def attention_shapes(cfg: Glm4MoeConfig) -> dict[str, tuple[int, ...]]:

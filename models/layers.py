@@ -326,3 +326,29 @@ def windowed_attention(
     weights = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", weights, v_cache)
     return out.reshape(b, t, h, v_cache.shape[-1])
+
+
+def init_value(name: str, shape: tuple[int, ...], dtype, rngs) -> jax.Array:
+    """A fresh parameter by the naming convention the families share: norms start at one, biases (`b*`) at zero,
+    matrices small and random (`rngs`: an nnx.Rngs). Loading replaces every value; this only gives shapes and
+    dtypes something to hold."""
+    if "norm" in name:
+        return jnp.ones(shape, dtype)
+    if name.startswith("b"):
+        return jnp.zeros(shape, dtype)
+    return (0.02 * jax.random.normal(rngs.params(), shape)).astype(dtype)
+
+
+# Logical axes of a grouped-query attention block's params (GLM-4.5, the DFlash drafters); biases and q/k norms are
+# present where the family's config has them.
+GQA_ATTENTION_AXES: dict[str, tuple[str, ...]] = {
+    "wq": ("embed", "heads", "head_dim"),
+    "wk": ("embed", "kv_heads", "head_dim"),
+    "wv": ("embed", "kv_heads", "head_dim"),
+    "bq": ("heads", "head_dim"),
+    "bk": ("kv_heads", "head_dim"),
+    "bv": ("kv_heads", "head_dim"),
+    "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",),
+    "wo": ("heads", "head_dim", "embed"),
+}

@@ -201,21 +201,13 @@ def mtp_layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return block | {"enorm": (d,), "hnorm": (d,), "eh_proj": (2 * d, d), "out_norm": (d,)}
 
 
-def _init_value(name: str, shape: tuple[int, ...], dtype, rngs: nnx.Rngs) -> jax.Array:
-    if "norm" in name:
-        return jnp.ones(shape, dtype)
-    if name.startswith("b"):
-        return jnp.zeros(shape, dtype)
-    return (0.02 * jax.random.normal(rngs.params(), shape)).astype(dtype)
-
-
 class LlamaDecoderLayer(nnx.Module):
     """One layer's parameters, each its own array (see `LlamaForCausalLM` for why they are not stacked)."""
 
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
         for name, shape in param_shapes(cfg).items():
             if name not in TOP_LEVEL:
-                setattr(self, name, nnx.Param(_init_value(name, shape[1:], dtype, rngs),
+                setattr(self, name, nnx.Param(L.init_value(name, shape[1:], dtype, rngs),
                                               logical_axes=PARAM_AXES[name][1:]))
 
     def params(self) -> dict[str, jax.Array]:
@@ -228,7 +220,7 @@ class LlamaMtpLayer(LlamaDecoderLayer):
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
         for name, shape in mtp_layer_shapes(cfg).items():
             axes = MTP_AXES.get(name) or PARAM_AXES[name][1:]
-            setattr(self, name, nnx.Param(_init_value(name, shape, dtype, rngs), logical_axes=axes))
+            setattr(self, name, nnx.Param(L.init_value(name, shape, dtype, rngs), logical_axes=axes))
 
 
 class DraftVocab(nnx.Variable):
@@ -251,7 +243,7 @@ class LlamaForCausalLM(nnx.Module):
         rngs = rngs or nnx.Rngs(0)
         for name, shape in param_shapes(cfg).items():
             if name in TOP_LEVEL:
-                setattr(self, name, nnx.Param(_init_value(name, shape, dtype, rngs), logical_axes=PARAM_AXES[name]))
+                setattr(self, name, nnx.Param(L.init_value(name, shape, dtype, rngs), logical_axes=PARAM_AXES[name]))
         self.layers = nnx.List([LlamaDecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
         # Only models that have them get the attributes, so conversions written without MTP keep their layout.
         if cfg.num_mtp_layers:

@@ -45,6 +45,22 @@ def tiny_llama_draft_dir(tmp_path_factory):
     return hf_models.save_tiny("llama", tmp_path_factory.mktemp("llama_draft"), seed=1, num_hidden_layers=2)
 
 
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    """The workhorse target, loaded (once per module: modules drop their compiled loops and models after them)."""
+    import jaxspec
+
+    return jaxspec.load(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_llama_draft_dir):
+    """The weak assistant, loaded."""
+    import jaxspec
+
+    return jaxspec.load(tiny_llama_draft_dir)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
     """One persistent compilation cache for the whole run: modules drop their compiled loops (below), and a later

@@ -162,11 +162,10 @@ def build(request: BuildRequest) -> StrategyChoice:
 
 DFLASH = Strategy(
     name="dflash",
-    summary="a DFlash block drafter drafts a whole block from the target's hidden states in one forward "
-            "(--assistant PATH)",
-    selected_by="assistant_model",
-    claims=lambda request: is_block_drafter(request.options["assistant_model"]),
+    summary="a DFlash drafter drafts a block from the target's hidden states in one forward (--assistant PATH)",
     options=(ASSISTANT_MODEL, SPECULATION_TYPE, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE,
              ASSISTANT_ENSEMBLE_WEIGHT),
     build=build,
+    selected_by="assistant_model",
+    claims=lambda request: is_block_drafter(request.options["assistant_model"]),  # a DFlash checkpoint
 )

@@ -15,8 +15,8 @@ import torch
 import transformers
 
 from jaxspec.convert.gguf import GGUFCheckpoint, read_gguf
-from tests.fixtures.gguf import (HIDDEN, INTERMEDIATE, LAYERS, N_HEADS, N_KV_HEADS, VOCAB, add_tokenizer, hf_state,
-                                 tiny_config, tiny_model, write_gguf)
+from tests.fixtures.gguf import (HIDDEN, INTERMEDIATE, LAYERS, N_HEADS, N_KV_HEADS, VOCAB, add_shape_metadata,
+                                 add_tokenizer, hf_state, tiny_config, tiny_model, write_gguf)
 
 
 def transformers_state(path: str) -> dict[str, np.ndarray]:
@@ -282,12 +282,7 @@ def write_gemma3_gguf(model, path: str, qtype=gguf.GGMLQuantizationType.F32) -> 
     """As llama.cpp writes gemma3: its names, every norm weight stored as w + 1, no q/k permutation."""
     config = model.config
     writer = gguf.GGUFWriter(path, "gemma3")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_shape_metadata(writer, config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])

@@ -17,11 +17,6 @@ REPETITIVE = [[5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6], [3, 4, 5, 3, 4], [20, 21, 
 N = 40
 
 
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    return jaxspec.load(tiny_llama_dir)
-
-
 def jax_candidates(sequence, k, ngram, eos=None):
     tokens = jnp.asarray(sequence + [0] * 8, jnp.int32)
     start, found = find_continuation(tokens, jnp.int32(len(sequence)), ngram)

@@ -22,16 +22,6 @@ N = 40
 
 
 @pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    return jaxspec.load(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_llama_draft_dir):
-    return jaxspec.load(tiny_llama_draft_dir)
-
-
-@pytest.fixture(scope="module")
 def plain(target):
     ids, mask = left_padded(PROMPTS)
     return jaxspec.generate(target, ids, mask, max_new_tokens=N).sequences

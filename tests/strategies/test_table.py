@@ -15,16 +15,6 @@ from jaxspec.strategies import BY_NAME, OPTIONS, STRATEGIES, DraftingConfig
 from jaxspec.streaming import StreamingConfig
 
 
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    return jaxspec.load(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_llama_draft_dir):
-    return jaxspec.load(tiny_llama_draft_dir)
-
-
 def test_every_row_is_whole():
     names = [row.name for row in STRATEGIES]
     assert len(set(names)) == len(names)
@@ -73,8 +63,8 @@ def test_cli_names_the_strategy_that_uses_an_option(capsys):
 def test_drafting_config_rejects_unknown_names():
     with pytest.raises(TypeError, match="unknown option.*num_asistant_tokens"):
         DraftingConfig(num_asistant_tokens=3)
-    with pytest.raises(ValueError, match="Unknown strategy 'dflash'"):
-        DraftingConfig(strategy="dflash")
+    with pytest.raises(ValueError, match="Unknown strategy 'lookahead'"):
+        DraftingConfig(strategy="lookahead")
     config = DraftingConfig(num_assistant_tokens=3, use_mtp=False, max_matching_ngram_size=None)
     assert config.options == {"num_assistant_tokens": 3}  # False and None select nothing, as in generate()
     assert config.num_assistant_tokens == 3 and config.assistant_model is None
