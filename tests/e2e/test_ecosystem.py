@@ -106,25 +106,55 @@ def test_ragged_rows_process_their_own_history(models):
 
 # Processed speculative sampling (q processed too) is slow; the default suite runs prompt lookup's one-hot path.
 @pytest.mark.parametrize("strategy", [pytest.param("speculative", marks=pytest.mark.slow), "prompt_lookup"])
-def test_sampling_with_processors_is_exact(models, hf_target, strategy):
-    """6000 rows, budget K + 2: the first three tokens follow the exact law of the processed target (HF's own
-    processors and warpers applied to every prefix), over the whole vocabulary."""
-    target, draft = models
-    settings = dict(repetition_penalty=1.3, no_repeat_ngram_size=2, suppress_tokens=[11, 12], temperature=0.8,
-                    top_k=20, min_p=0.02)
-    prompt, k, rows = [int(t) for t in np.random.RandomState(1).permutation(np.arange(3, 128))], 3, 6000
+def test_sampling_with_processors_is_exact(models, hf_target, tmp_path, strategy):
+    """6000 rows, budget K + 2: every new token follows the exact law of the processed target (HF's own
+    processors and warpers applied to every prefix), over the whole vocabulary, in runs where many rounds accept
+    two drafts or more.
+
+    Speculative: the tiny target, an assistant close to it (`oracles.near_assistant`; the 2-layer assistant's
+    drafts are almost never accepted twice in a row here), a permutation of the vocabulary as the prompt; the first
+    three tokens are checked (smallest TV bias caught with power 0.9 at alpha 1e-3: 4.2%, 5.7%, 5.9%).
+
+    Prompt lookup: a copy is accepted only where the target predicts what the prompt holds, which a tiny random
+    model with attention never does (its next token depends on the whole context), and no-repeat 2-grams would ban
+    every copy. So the target is the same model without attention (`oracles.without_attention`, a bigram model),
+    the prompt holds its likeliest continuation after each token it may sample first (`oracles.copyable_prompt`),
+    and the repetition penalty is below 1 (it favours the prompt's tokens, which copies are made of). No-repeat
+    4-grams ban the third copied draft at its own position (its prefix holds the first two, so it completes a
+    4-gram of the prompt): no round accepts three, thousands accept two. All K + 2 = 5 tokens are checked (smallest
+    TV bias caught: 3.3%, 3.9%, 4.6%, 4.9%, 5.3%, `oracles.detectable_tv`)."""
+    target, _ = models
+    k, rows = 3, 6000
+    if strategy == "speculative":
+        penalty, ngram, temperature, top_k, positions = 1.3, 2, 0.8, 20, 3
+        prompt = [int(t) for t in np.random.RandomState(1).permutation(np.arange(3, 128))]
+        oracles.near_assistant(hf_target).save_pretrained(tmp_path)
+        strategy_kwargs = dict(assistant_model=jaxspec.load(str(tmp_path)), num_assistant_tokens=k,
+                               assistant_confidence_threshold=0.0)
+    else:
+        penalty, ngram, temperature, top_k, positions = 0.9, 4, 0.5, 10, k + 2
+        hf_target = oracles.without_attention(hf_target)
+        hf_target.save_pretrained(tmp_path)
+        target = jaxspec.load(str(tmp_path))
+        prompt = oracles.copyable_prompt(hf_target, last=9, top=top_k, banned=[11, 12])
+        strategy_kwargs = dict(prompt_lookup_num_tokens=k, max_matching_ngram_size=1)
+    settings = dict(repetition_penalty=penalty, no_repeat_ngram_size=ngram, suppress_tokens=[11, 12],
+                    temperature=temperature, top_k=top_k, min_p=0.02)
     hf_list = hf.LogitsProcessorList([
-        hf.RepetitionPenaltyLogitsProcessor(1.3), hf.NoRepeatNGramLogitsProcessor(2),
-        hf.SuppressTokensLogitsProcessor([11, 12]), hf.TemperatureLogitsWarper(0.8), hf.TopKLogitsWarper(20),
-        hf.MinPLogitsWarper(0.02)])
-    exact = oracles.exact_marginals(hf_target, prompt, positions=3, processors=hf_list)
-    strategy_kwargs = (dict(assistant_model=draft, num_assistant_tokens=k, assistant_confidence_threshold=0.0)
-                       if strategy == "speculative" else dict(prompt_lookup_num_tokens=k, max_matching_ngram_size=1))
+        hf.RepetitionPenaltyLogitsProcessor(penalty), hf.NoRepeatNGramLogitsProcessor(ngram),
+        hf.SuppressTokensLogitsProcessor([11, 12]), hf.TemperatureLogitsWarper(temperature),
+        hf.TopKLogitsWarper(top_k), hf.MinPLogitsWarper(0.02)])
+    exact = oracles.exact_marginals(hf_target, prompt, positions=positions, processors=hf_list)
     out = jaxspec.generate(target, [prompt] * rows, max_new_tokens=k + 2, do_sample=True, seed=11, eos_token_id=[],
                            num_assistant_tokens_schedule="constant", **settings, **strategy_kwargs)
     assert out.drafted.sum() >= 0.8 * rows * k
+    multi = int(out.accepted_hist[:, 2:].sum())
+    assert multi >= rows // 2, f"only {multi} rounds accepted two drafts or more, in {rows} rows"
+    if strategy == "prompt_lookup":
+        third = int(out.accepted_hist[:, 3].sum())
+        assert third == 0, f"{third} rounds accepted a third copy, which its own prefix bans"
     new = out.sequences[:, len(prompt):]
-    for i in range(3):
+    for i in range(positions):
         assert oracles.goodness_of_fit(new[:, i], exact[i]) > 1e-3, i
 
 
