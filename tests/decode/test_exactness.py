@@ -195,11 +195,6 @@ def hf_target(tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    return jaxspec.load(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
 def near_assistant(hf_target, tmp_path_factory):
     """`oracles.near_assistant`: here 33% of rounds accept no draft, 28% one, 14% two and 25% all three, so one run
     exercises acceptance, the residual and the bonus token."""
