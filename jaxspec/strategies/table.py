@@ -37,12 +37,13 @@ OPTIONS: dict[str, Option] = {option.name: option for row in STRATEGIES for opti
 _SELECTORS = tuple(dict.fromkeys(row.selected_by for row in STRATEGIES if row.selected_by))
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True, init=False, eq=False)
 class DraftingConfig:
     """How a call drafts: a strategy (a row name of STRATEGIES, or None: chosen from the options) and its options,
     with transformers' argument names. `DraftingConfig(assistant_model=draft, num_assistant_tokens=4)`.
 
-    Options left at None are not given (as in `generate`); an unknown name is a TypeError.
+    Options left at None are not given (as in `generate`); an unknown name is a TypeError. Options hold models,
+    so a config compares and hashes by identity.
     """
 
     strategy: str | None
@@ -64,9 +65,6 @@ class DraftingConfig:
         if name in OPTIONS:
             return self.options.get(name)
         raise AttributeError(name)
-
-    def __hash__(self) -> int:  # options hold models; identity is what a config is
-        return id(self)
 
     def replace(self, **changes: Any) -> "DraftingConfig":
         """A copy with `changes` (strategy= included) applied."""

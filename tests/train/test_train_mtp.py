@@ -30,6 +30,7 @@ from jaxspec.strategies import DraftingConfig, choose_strategy
 from jaxspec.train import OptimConfig, TrainConfig, attach_mtp_layers, data, save_mtp_asset, train
 from jaxspec.train.losses import draft_tokens, simulate_greedy_rounds
 from tests.fixtures import hf_models
+from tests.fixtures.moe import random_mtp_block_extras
 from tests.fixtures.paths import BENCHMARKS, REPO_ROOT
 
 SEQ = 48  # generated rows: prompt + continuation
@@ -84,10 +85,7 @@ def save_llama_with_mtp(folder, layers: int, mtp_layers: int, seed: int = 0) -> 
     d = hf_models.BASE["hidden_size"]
     for k in range(mtp_layers):
         prefix = f"model.layers.{layers + k}."
-        tensors[prefix + "enorm.weight"] = 1.0 + 0.2 * torch.randn(d, generator=gen)
-        tensors[prefix + "hnorm.weight"] = 1.0 + 0.2 * torch.randn(d, generator=gen)
-        tensors[prefix + "eh_proj.weight"] = 0.2 * torch.randn(d, 2 * d, generator=gen)
-        tensors[prefix + "shared_head.norm.weight"] = 1.0 + 0.2 * torch.randn(d, generator=gen)
+        tensors |= random_mtp_block_extras(prefix, d, gen)
         tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()  # ignored copies
     os.makedirs(folder, exist_ok=True)
     save_file({name: value.contiguous() for name, value in tensors.items()}, os.path.join(folder, "model.safetensors"))
