@@ -6,11 +6,12 @@ Every check runs on the host, before anything compiles.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
 
-MIN_BUFFER = 256  # smallest token buffer / cache length
+MIN_BUFFER = 256  # smallest token buffer / cache length, unless $JAXSPEC_MIN_BUFFER says otherwise (min_buffer)
 LARGE_BUFFER = 2048  # buffers up to this are powers of two ...
 BUFFER_STEP = 512  # ... longer ones multiples of this
 
@@ -101,14 +102,32 @@ def given_layout(input_ids, prompts, pad_id) -> np.ndarray:
     return out
 
 
+def power_of_two_setting(name: str, default: int) -> int:
+    """The environment variable `name` as a power of two (at least 8), or `default` when it is unset."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < 8 or int(value) & (int(value) - 1):
+        raise ValueError(f"${name} must be a power of two of at least 8, got {value!r}.")
+    return int(value)
+
+
+def min_buffer() -> int:
+    """The smallest token buffer / cache length: MIN_BUFFER, or $JAXSPEC_MIN_BUFFER. A larger floor lets calls
+    of different short lengths share one executable; a smaller one saves memory and time when a call is short and
+    its batch is large (the test suite runs thousands of 4-token rows with 32)."""
+    return power_of_two_setting("JAXSPEC_MIN_BUFFER", MIN_BUFFER)
+
+
 def buffer_size(needed: int, chunk: int) -> int:
     """Token buffer / cache length for `needed` positions, rounded so that nearby prompt lengths and budgets share
     executables: a power of two up to LARGE_BUFFER, then a multiple of BUFFER_STEP (a long context wastes less than
-    a step of cache); at least MIN_BUFFER, and a multiple of the prefill chunk, so that its chunks tile it exactly."""
+    a step of cache); at least `min_buffer()`, and a multiple of the prefill chunk, so that its chunks tile it
+    exactly."""
     if chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"prefill_chunk must be a power of two, got {chunk}.")
     if needed <= LARGE_BUFFER:
-        size = max(MIN_BUFFER, 1 << (needed - 1).bit_length())
+        size = max(min_buffer(), 1 << (needed - 1).bit_length())
     else:
         size = -(-needed // BUFFER_STEP) * BUFFER_STEP
     return -(-size // chunk) * chunk

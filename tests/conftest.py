@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Eight CPU devices for the mesh tests. LLVM's optimisations off: the suite's models are tiny, so compiling is most
+# of its time and running the compiled code little (level 0 took a fifth off a compile-bound module's time).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The adaptive schedule's fixed step costs, not ones timed on whatever machine runs the suite: tests that count
 # drafts stay deterministic. tests/decode/test_costs.py measures them as users' runs do.
 os.environ.setdefault("JAXSPEC_STEP_COSTS", "default")
+# Small buffers: the suite's prompts have a few tokens and its budgets a few dozen, so the users' defaults (a cache of
+# at least 256 positions, prompts read 64 at a time on CPUs) would compute mostly padding. The sampling tests run
+# thousands of rows at once, where that padding was two thirds of their time and most of the suite's peak memory.
+# The tests that cover the sizes themselves (chunk boundaries, long prompts) pass `prefill_chunk` or lengths of
+# their own.
+os.environ.setdefault("JAXSPEC_MIN_BUFFER", "32")
+os.environ.setdefault("JAXSPEC_PREFILL_CHUNK", "8")
 
 import pytest
 
@@ -31,6 +40,14 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = f"slow tests do not skip; this one tried to: {reason}"
     return report
+
+
+@pytest.fixture
+def user_buffer_sizes(monkeypatch):
+    """The buffer and prefill sizes users get (jaxspec.prompts.MIN_BUFFER, the backend's prefill chunk), for tests
+    of what those sizes promise."""
+    monkeypatch.delenv("JAXSPEC_MIN_BUFFER", raising=False)
+    monkeypatch.delenv("JAXSPEC_PREFILL_CHUNK", raising=False)
 
 
 @pytest.fixture(scope="session")

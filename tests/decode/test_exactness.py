@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import sys
 import textwrap
 from typing import Any, Callable
 
@@ -178,15 +177,6 @@ Q_RAW_MTP = Mutation(mtp.MtpDrafter, "draft", "q = jax.nn.softmax(processed, axi
 
 
 # -- models --------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def prefill_chunk_of_8():
-    """Every prompt here has 4 tokens: the prefill reads them in one chunk of 8 positions, not the CPU default of
-    64 (the same computation on fewer padding positions; at 64 the prefill was 3/4 of each run's time)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sys.modules["jaxspec.generate"], "default_prefill_chunk", lambda: 8)
-        yield
 
 
 @pytest.fixture(scope="module")

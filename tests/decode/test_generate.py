@@ -14,6 +14,8 @@ from tests.fixtures import hf_models
 from tests.fixtures.prompts import PROMPTS, left_padded
 
 from jaxspec import loop
+from jaxspec.prompts import buffer_size
+from jaxspec.strategies import default_prefill_chunk
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,18 @@ def test_counters_of_plain_decoding(llama):
     assert out.draft_forwards == 0
 
 
+def test_buffer_sizes_round_up_and_their_settings_are_checked(monkeypatch, user_buffer_sizes):
+    assert [buffer_size(n, 64) for n in (5, 256, 257, 2048, 2049)] == [256, 256, 512, 2048, 2560]
+    assert buffer_size(40, 64) == 256 and buffer_size(40, 256) == 256
+    monkeypatch.setenv("JAXSPEC_MIN_BUFFER", "32")
+    assert [buffer_size(5, 8), buffer_size(40, 8), buffer_size(5, 64)] == [32, 64, 64]
+    for name, value in [("JAXSPEC_MIN_BUFFER", "48"), ("JAXSPEC_MIN_BUFFER", "4"), ("JAXSPEC_PREFILL_CHUNK", "x")]:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=rf"\${name} must be a power of two of at least 8, got '{value}'"):
+            buffer_size(5, default_prefill_chunk())
+        monkeypatch.delenv(name)
+
+
 def test_prompt_longer_than_a_prefill_chunk_equals_transformers(tmp_path):
     """The prefill reads prompts in chunks; a prompt spanning several chunks (and rows ending in different chunks)
     must give what one full-prompt forward gives."""
@@ -65,9 +79,9 @@ def test_prompt_longer_than_a_prefill_chunk_equals_transformers(tmp_path):
     np.testing.assert_array_equal(out.sequences, expected)
 
 
-def test_new_prompts_and_settings_reuse_the_executables(llama):
+def test_new_prompts_and_settings_reuse_the_executables(llama, user_buffer_sizes):
     """Only shapes and the strategy are compiled in: prompts of other lengths, seeds, sampling values and
-    processors are run-time inputs."""
+    processors are run-time inputs (at the users' buffer sizes: one cache of 256 positions serves them all)."""
     jaxspec.generate(llama, [[5, 6, 7, 8, 9]], max_new_tokens=8)
     jaxspec.generate(llama, [[5, 6, 7, 8, 9]], max_new_tokens=8, do_sample=True)
     before = loop.trace_count()

@@ -13,7 +13,7 @@ import jaxspec
 from jaxspec import inplace
 
 from jaxspec import loop
-from jaxspec.prompts import MIN_BUFFER
+from jaxspec.prompts import min_buffer
 
 
 def _branches():
@@ -51,7 +51,7 @@ def _caches(text: str, copies: bool) -> list[tuple[int, ...]]:
     only those copied. One layer's slice ([1, ...]) is left out: attention copies it into another layout."""
     pattern = rf"= {CACHE}\{{[^}}]*\}} copy\(" if copies else CACHE
     shapes = (tuple(map(int, m)) for m in re.findall(pattern, text))
-    return [shape for shape in shapes if shape[0] > 1 and shape[1] == 1 and shape[2] >= MIN_BUFFER]
+    return [shape for shape in shapes if shape[0] > 1 and shape[1] == 1 and shape[2] >= min_buffer()]
 
 
 @pytest.mark.parametrize("strategy", ["prompt_lookup", "speculative", "early_exit"])
