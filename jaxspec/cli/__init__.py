@@ -1,1 +1,2 @@
-"""jaxspec's command-line entry points (`jaxspec-generate`, `jaxspec-convert`, `jaxspec-train-mtp`, `jaxspec-plan`)."""
+"""jaxspec's command-line entry points (`jaxspec-generate`, `jaxspec-convert`, `jaxspec-train-mtp`,
+`jaxspec-train-dflash`, `jaxspec-plan`)."""

@@ -26,11 +26,13 @@ the run will take.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
 import time
+
+from .train_common import (add_data_flags, check_data_flags, data_folder, data_recipe, generation_seconds,
+                           generation_step_seconds)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -45,14 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--default-drafts", type=int, default=None,
                    help="record this as the asset's draft length for use_mtp when generate gets none (default: one "
                         "per layer); benchmarks/bench_mtp.py measures which K pays")
-    p.add_argument("--train-prompts", type=int, default=2560, help="training prompts the target answers")
-    p.add_argument("--heldout-prompts", type=int, default=64, help="held-out prompts (never trained on)")
-    p.add_argument("--stdlib-share", type=float, default=0.5,
-                   help="share of the prompts made from standard-library code (the rest: instructions and free text)")
-    p.add_argument("--stdlib-windows", type=int, default=192, help="windows of standard-library source")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--max-prompt-len", type=int, default=160)
-    p.add_argument("--gen-batch-size", type=int, default=32)
+    add_data_flags(p, stdlib_windows=192)
     p.add_argument("--steps", type=int, default=1400)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -68,28 +63,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop-after", type=int, default=None, help="stop at this step (rerun to resume)")
     p.add_argument("--estimate-only", action="store_true", help="print the time estimate and exit")
     args = p.parse_args(argv)
+    check_data_flags(p, args)
     if args.layers is not None and args.layers < 1:
         p.error("--layers must be >= 1")
-    if not 0.0 <= args.stdlib_share <= 1.0:
-        p.error("--stdlib-share must be between 0 and 1")
     if args.default_drafts is not None and args.default_drafts < 1:
         p.error("--default-drafts must be >= 1")
     if args.draft_vocab < 0:
         p.error("--draft-vocab must be >= 0")
-    if not 0 < args.max_prompt_len < args.seq_len:
-        p.error("--max-prompt-len must be between 1 and --seq-len - 1 (generations need room)")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import numpy as np
-
     import jaxspec
     from jaxspec import catalog
     from jaxspec.assets import strip_mtp
     from jaxspec.train import OptimConfig, TrainConfig, attach_mtp_layers, data, plot_history, save_mtp_asset, train
-    from jaxspec.train import prompts as prompt_sets
 
     workdir = args.workdir or os.path.join(catalog.cache_root(), "train",
                                            f"{os.path.basename(os.path.normpath(args.model))}-mtp")
@@ -106,11 +95,8 @@ def main(argv=None) -> int:
     eos = model.eos_token_ids()
 
     # -- the plan, timed on this machine ----------------------------------------------------------------------
-    recipe = {key: getattr(args, key) for key in ("train_prompts", "heldout_prompts", "stdlib_share",
-                                                  "stdlib_windows", "seq_len", "max_prompt_len", "seed")}
-    recipe |= {"model": model.source, "python": sys.version.split()[0], "dtype": str(model.dtype)}
-    data_dir = os.path.join(workdir, "data-" + hashlib.sha256(json.dumps(recipe, sort_keys=True).encode())
-                            .hexdigest()[:12])
+    recipe = data_recipe(args, model)
+    data_dir = data_folder(workdir, recipe)
     cached = data.load(os.path.join(data_dir, "train"), recipe), data.load(os.path.join(data_dir, "heldout"), recipe)
     depths = args.layers or model.module.num_mtp_layers
     rates = _calibrate(model, args, depths, need_data=None in cached)
@@ -127,7 +113,7 @@ def main(argv=None) -> int:
     train_corpus, heldout = cached
     if train_corpus is None or heldout is None:
         start = time.perf_counter()
-        train_corpus, heldout = _build_data(model, args, eos, prompt_sets, data)
+        train_corpus, heldout = _build_data(model, args, eos, data)
         data.save(train_corpus, os.path.join(data_dir, "train"), recipe)
         data.save(heldout, os.path.join(data_dir, "heldout"), recipe)
         print(f"data: {train_corpus.num_tokens} training and {heldout.num_tokens} held-out tokens in "
@@ -182,25 +168,15 @@ def main(argv=None) -> int:
     return 0
 
 
-def _build_data(model, args, eos, prompt_sets, data):
+def _build_data(model, args, eos, data):
     from tqdm.auto import tqdm
 
     tokenizer, module = model.tokenizer, model.module
-    # A quarter more than needed: prompts longer than --max-prompt-len are dropped when encoded.
-    train_prompts = prompt_sets.prompt_set(False, args.train_prompts * 5 // 4, args.stdlib_share, seed=args.seed)
-    heldout_prompts = prompt_sets.prompt_set(True, args.heldout_prompts * 5 // 4, args.stdlib_share, seed=args.seed)
-    train_ids = _pick(data.encode_prompts(tokenizer, train_prompts, args.max_prompt_len), args.train_prompts,
-                      args.seed)
-    heldout_ids = _pick(data.encode_prompts(tokenizer, heldout_prompts, args.max_prompt_len), args.heldout_prompts,
-                        args.seed)
-    documents = []
-    for path in prompt_sets.training_files():
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            documents.append(handle.read())
-    import random
-
-    random.Random(args.seed).shuffle(documents)
-    windows = data.text_windows(tokenizer, documents, args.seq_len, args.stdlib_windows)
+    train_ids = data.prompt_ids(tokenizer, False, args.train_prompts, args.stdlib_share, args.max_prompt_len,
+                                args.seed)
+    heldout_ids = data.prompt_ids(tokenizer, True, args.heldout_prompts, args.stdlib_share, args.max_prompt_len,
+                                  args.seed)
+    windows = data.stdlib_windows(tokenizer, args.seq_len, args.stdlib_windows, args.seed)
     parts = []
     with tqdm(total=len(train_ids) + len(heldout_ids), desc="generating", unit="prompt") as bar:
         heldout = data.greedy_generations(module, heldout_ids, args.seq_len, args.gen_batch_size, eos, bar.update)
@@ -208,15 +184,6 @@ def _build_data(model, args, eos, prompt_sets, data):
     with tqdm(total=windows.size, desc="stdlib windows", unit="tok") as bar:
         parts.append(data.text_corpus(module, windows, args.batch_size, bar.update))
     return data.Corpus.concat(parts), heldout
-
-
-def _pick(prompts, count: int, seed: int):
-    import random
-
-    rng = random.Random(seed)
-    prompts = list(prompts)
-    rng.shuffle(prompts)
-    return prompts[:count]
 
 
 def _coverage(heldout, vocab) -> float:
@@ -244,13 +211,7 @@ def _calibrate(model, args, depths: int, need_data: bool) -> dict[str, float]:
     rates = {}
     vocab = model.config.vocab_size
     if need_data:
-        prompts = [list(rng.integers(0, vocab, 8)) for _ in range(args.gen_batch_size)]
-        short = min(args.seq_len, 40)  # a short buffer: each step costs about the same as at full length
-        for timed in (False, True):
-            start = time.perf_counter()
-            data_module.greedy_generations(model.module, prompts, short, args.gen_batch_size, eos_ids=())
-            if timed:
-                rates["gen_step"] = (time.perf_counter() - start) / (short - 8)
+        rates["gen_step"] = generation_step_seconds(model.module, args.gen_batch_size, args.seq_len)
         windows = rng.integers(0, vocab, (args.batch_size, args.seq_len)).astype(np.int32)
         for timed in (False, True):
             start = time.perf_counter()
@@ -287,8 +248,7 @@ def _calibrate(model, args, depths: int, need_data: bool) -> dict[str, float]:
 def _estimate(args, rates: dict[str, float], need_data: bool) -> dict[str, float]:
     out = {}
     if need_data:
-        batches = -(-(args.train_prompts + args.heldout_prompts) // args.gen_batch_size)
-        out["generation"] = batches * (args.seq_len - 40) * rates["gen_step"]  # prompts take ~40 of the positions
+        out["generation"] = generation_seconds(args, rates["gen_step"])
         out["stdlib windows"] = -(-args.stdlib_windows // args.batch_size) * rates["forward_batch"]
     out["training"] = args.steps * rates["train_step"]
     evaluations = args.steps // args.eval_every + 2  # before the first step, every --eval-every, after the last

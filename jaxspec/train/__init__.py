@@ -1,19 +1,28 @@
-"""Training MTP (multi-token prediction) layers by self-distillation from a frozen target.
+"""Training drafters by self-distillation from a frozen target: MTP layers and DFlash block drafters.
 
-    data    the target's hidden states over text windows and over its own greedy generations, cached once
-    losses  the teacher-forced MTP chain, KL to the target's own next-token distribution, replayed acceptance
-    step    AdamW with warmup and cosine decay, one jit-compiled step over the MTP parameters only
-    loop    batches, orbax checkpoints with resume, held-out acceptance, the loss plot
-    export  attaching fresh layers to a Llama/Qwen2 target, writing trained ones where jaxspec.load finds them
+    data            the target's hidden states over text windows and over its own greedy generations, cached once
+    losses          the teacher-forced MTP chain, KL to the target's own next-token distribution, replayed acceptance
+    step            AdamW with warmup and cosine decay, jit-compiled steps over the drafter's parameters only
+    loop            the loop (batches, orbax checkpoints with resume, held-out evaluation, the loss plot); MTP's train
+    export          attaching fresh MTP layers to a Llama/Qwen2 target; writing trained ones where jaxspec.load
+                    finds them
+    dflash_data     the target's answers with its tapped layers' outputs, the context a DFlash drafter reads
+    dflash_losses   the DFlash objective: blocks at random anchors of each answer, position-weighted KL
+    dflash_export   a fresh DFlash drafter for a Llama/Qwen2/Qwen3 target; writing it in z-lab's layout
+    dflash_loop     train_dflash, its held-out block acceptance and plot
 
 Imports the models, never the decode loop: the output is a model `jaxspec.load` reads, so a trained drafter is just
-a model. `scripts/train_mtp.py` is the command line.
+a model. `scripts/train_mtp.py` and `scripts/train_dflash.py` are the command lines.
 """
 
 from .data import Corpus
+from .dflash_data import BlockCorpus
+from .dflash_export import new_dflash_drafter, save_dflash_drafter
+from .dflash_loop import DFlashTrainConfig, plot_dflash_history, train_dflash
 from .export import attach_mtp_layers, save_mtp_asset, with_trained
 from .loop import TrainConfig, TrainResult, plot_history, train
 from .step import OptimConfig
 
-__all__ = ["Corpus", "OptimConfig", "TrainConfig", "TrainResult", "attach_mtp_layers", "plot_history",
-           "save_mtp_asset", "train", "with_trained"]
+__all__ = ["BlockCorpus", "Corpus", "DFlashTrainConfig", "OptimConfig", "TrainConfig", "TrainResult",
+           "attach_mtp_layers", "new_dflash_drafter", "plot_dflash_history", "plot_history", "save_dflash_drafter",
+           "save_mtp_asset", "train", "train_dflash", "with_trained"]

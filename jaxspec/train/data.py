@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import os
+import random
 from typing import Callable, Sequence
 
 import jax
@@ -73,6 +74,33 @@ def text_windows(tokenizer, documents: Sequence[str], seq_len: int, max_rows: in
         if len(rows) >= max_rows:
             break
     return np.asarray(rows[:max_rows], np.int32).reshape(-1, seq_len)
+
+
+def prompt_ids(tokenizer, heldout: bool, count: int, stdlib_share: float, max_len: int,
+               seed: int) -> list[list[int]]:
+    """Token ids of `count` prompts of the training or the held-out set (jaxspec/train/prompts.py), each of at most
+    `max_len` tokens, in a seeded order. A quarter more are drawn than needed: longer ones are dropped when encoded."""
+    from . import prompts
+
+    drawn = prompts.prompt_set(heldout, count * 5 // 4, stdlib_share, seed=seed)
+    ids = encode_prompts(tokenizer, drawn, max_len)
+    random.Random(seed).shuffle(ids)
+    return ids[:count]
+
+
+def stdlib_windows(tokenizer, seq_len: int, count: int, seed: int) -> np.ndarray:
+    """`count` windows of `seq_len` tokens of the Python standard library's training modules (the held-out tenth
+    excluded), from the files in a seeded order: [N, T]."""
+    from . import prompts
+
+    if count == 0:
+        return np.zeros((0, seq_len), np.int32)
+    documents = []
+    for path in prompts.training_files():
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            documents.append(handle.read())
+    random.Random(seed).shuffle(documents)
+    return text_windows(tokenizer, documents, seq_len, count)
 
 
 def encode_prompts(tokenizer, prompts, max_len: int) -> list[list[int]]:
@@ -222,11 +250,12 @@ def draft_vocabulary(counts: np.ndarray, size: int) -> np.ndarray:
 # Cache on disk
 
 
-def save(corpus: Corpus, folder: str, meta: dict) -> None:
-    """Write `corpus` to `folder` atomically (a temporary sibling renamed when complete); `meta` describes what it
-    was built from, so `load` can refuse a cache built from another model or recipe."""
+def save(corpus, folder: str, meta: dict) -> None:
+    """Write `corpus` (a `Corpus`, or any dataclass of arrays such as `dflash_data.BlockCorpus`) to `folder`
+    atomically (a temporary sibling renamed when complete); `meta` describes what it was built from, so `load` can
+    refuse a cache built from another model or recipe."""
     with atomic_folder(folder) as tmp:
-        for field in dataclasses.fields(Corpus):
+        for field in dataclasses.fields(corpus):
             value = getattr(corpus, field.name)
             if value.dtype == HIDDEN_DTYPE:
                 value = value.view(np.uint16)  # .npy has no bfloat16; the bits round-trip exactly
@@ -235,15 +264,17 @@ def save(corpus: Corpus, folder: str, meta: dict) -> None:
             json.dump(meta, handle, indent=2, sort_keys=True)
 
 
-def load(folder: str, meta: dict) -> Corpus | None:
-    """The corpus cached in `folder` if it was built with exactly `meta`, else None."""
+def load(folder: str, meta: dict, kind: type = Corpus):
+    """The `kind` corpus cached in `folder` if it was built with exactly `meta`, else None. The arrays are
+    memory-mapped: a batch pages in only the rows it reads."""
     try:
         with open(os.path.join(folder, "meta.json"), encoding="utf-8") as handle:
             if json.load(handle) != json.loads(json.dumps(meta)):
                 return None
         arrays = {f.name: np.load(os.path.join(folder, f"{f.name}.npy"), mmap_mode="r")
-                  for f in dataclasses.fields(Corpus)}
+                  for f in dataclasses.fields(kind)}
     except (OSError, ValueError):
         return None
-    arrays["hidden"] = arrays["hidden"].view(HIDDEN_DTYPE)
-    return Corpus(**{name: np.asarray(value) if name != "hidden" else value for name, value in arrays.items()})
+    # No field is stored as uint16 but the bfloat16 ones (`save`).
+    return kind(**{name: value.view(HIDDEN_DTYPE) if value.dtype == np.uint16 else np.asarray(value)
+                   for name, value in arrays.items()})

@@ -1,9 +1,13 @@
-"""The training loop: batches in a seeded order, orbax checkpoints with resume, held-out acceptance, a loss plot.
+"""The training loop: batches in a seeded order, orbax checkpoints with resume, held-out evaluation, a loss plot.
+
+`run` is the loop itself, for any objective (`Objective`: a jitted step, how a step's batch is drawn, which metrics
+are kept, the held-out evaluation); `train` runs it for MTP layers, `dflash_loop.train_dflash` for a DFlash
+drafter.
 
 Resuming continues the same run: the batch of step s is a function of (seed, s) alone, the optimizer state and the
 history are checkpointed with the params, and the learning-rate schedule is a function of the step; so a run stopped
-at step s and resumed computes the same steps as one that never stopped (tests/test_train_mtp.py checks the loss
-curve). A checkpoint records the run's settings, and resuming with different ones is an error.
+at step s and resumed computes the same steps as one that never stopped (tests/train/ check the loss curves). A
+checkpoint records the run's settings, and resuming with different ones is an error.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -21,6 +26,36 @@ from .data import Corpus
 from .export import with_trained
 from .losses import acceptance_summary, simulate_greedy_rounds
 from .step import OptimConfig, make_draft_tokens, make_eval_loss, make_optimizer, make_train_step, split_trainable
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What `run` trains, apart from the parameters themselves.
+
+    step: `(trainable, opt_state, frozen, *arrays) -> (trainable, opt_state, metrics)`, jitted, donating the first
+        two; metrics hold "loss" and every name in `recorded`.
+    batch: `step -> (arrays, tokens)`: the step's batch on the device, a function of the step alone (so resuming
+        redraws it), and how many corpus tokens it holds (the history's x axis).
+    recorded: per-step metrics kept in the history besides the loss (vectors, e.g. one entry per depth).
+    evaluate: `(trainable, frozen, step, tokens) -> dict` held-out results, or None.
+    postfix: the progress bar's text from the history.
+    """
+
+    step: Callable
+    batch: Callable[[int], tuple[tuple, int]]
+    recorded: tuple[str, ...]
+    evaluate: Callable | None
+    postfix: Callable[[dict], dict[str, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """When `run` steps, evaluates and checkpoints."""
+
+    steps: int
+    eval_every: int
+    checkpoint_every: int
+    keep_checkpoints: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +78,8 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class TrainResult:
-    model: Any  # the jaxspec.Model with trained MTP layers
-    history: dict[str, Any]  # per step: step, tokens, loss, depth_loss, depth_top1; per evaluation: evals
+    model: Any  # the trained jaxspec.Model: the target with its MTP layers, or the DFlash drafter
+    history: dict[str, Any]  # per step: step, tokens, loss and the objective's recorded metrics; evals
 
 
 def committed(trainable, opt_state, frozen):
@@ -67,52 +102,68 @@ def train(model, corpus: Corpus, heldout: Corpus | None, cfg: TrainConfig, workd
           progress: bool = True, stop_at: int | None = None) -> TrainResult:
     """Train the MTP layers of `model` on `corpus`, checkpointing into `workdir/checkpoints` and resuming from its
     latest checkpoint. `stop_at` ends the run early at that step (resume later with the same settings)."""
-    import orbax.checkpoint as ocp
-
     if len(corpus) < cfg.batch_size:
         raise ValueError(f"the corpus has {len(corpus)} rows, fewer than batch_size={cfg.batch_size}.")
     cfg = cfg.resolved(model.module)
     graphdef, trainable, frozen = split_trainable(model.module)
-    opt_state = make_optimizer(cfg.optim).init(trainable)
     step_fn = make_train_step(graphdef, cfg.optim, cfg.depths, cfg.draft_vocab)
-    settings = _settings(cfg, corpus)
-    history: dict[str, Any] = {"settings": settings, "step": [], "tokens": [], "loss": [], "depth_loss": [],
-                               "depth_top1": [], "evals": []}
 
+    def batch(step: int) -> tuple[tuple, int]:
+        rows = corpus.take(np.sort(batch_rows(step, cfg.batch_size, len(corpus), cfg.seed)))
+        return _arrays(rows), rows.num_tokens
+
+    objective = Objective(step=step_fn, batch=batch, recorded=("depth_loss", "depth_top1"),
+                          evaluate=_evaluator(graphdef, cfg, heldout), postfix=_postfix)
+    schedule = Schedule(cfg.steps, cfg.eval_every, cfg.checkpoint_every, cfg.keep_checkpoints)
+    trainable, history = run(objective, trainable, frozen, make_optimizer(cfg.optim), schedule,
+                             _settings(cfg, corpus), workdir, progress, stop_at)
+    return TrainResult(model=with_trained(model, trainable), history=history)
+
+
+def run(objective: Objective, trainable, frozen, optimizer, schedule: Schedule, settings: dict[str, Any],
+        workdir: str, progress: bool = True, stop_at: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """Run `objective` from its latest checkpoint in `workdir/checkpoints` (or from `trainable` and a fresh optimizer
+    state) to `schedule.steps`, or to `stop_at`; return the trained state and the history. A checkpoint whose
+    `settings` differ is an error, raised before any step."""
+    import orbax.checkpoint as ocp
+
+    opt_state = optimizer.init(trainable)
+    history: dict[str, Any] = {"settings": settings, "step": [], "tokens": [], "loss": [],
+                               **{name: [] for name in objective.recorded}, "evals": []}
     os.makedirs(workdir, exist_ok=True)
     manager = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
-                                    options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints))
+                                    options=ocp.CheckpointManagerOptions(max_to_keep=schedule.keep_checkpoints))
     start = 0
     if manager.latest_step() is not None:
         start, trainable, opt_state, history = _restore(manager, trainable, opt_state)
         if history["settings"] != settings:
+            manager.close()
             raise ValueError(f"{workdir} holds a run with other settings ({_diff(history['settings'], settings)}); "
                              "use another folder, or delete it to start over.")
     trainable, opt_state, frozen = committed(trainable, opt_state, frozen)
 
-    evaluate = _evaluator(graphdef, cfg, heldout)
-    if heldout is not None and not history["evals"]:
+    evaluate = objective.evaluate
+    if evaluate is not None and not history["evals"]:
         history["evals"].append(evaluate(trainable, frozen, 0, 0))
-    end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
-    bar = _progress_bar(progress, start, cfg.steps)
+    end = schedule.steps if stop_at is None else min(stop_at, schedule.steps)
+    bar = _progress_bar(progress, start, schedule.steps)
     tokens_seen = history["tokens"][-1] if history["tokens"] else 0
     for step in range(start, end):
-        rows = np.sort(batch_rows(step, cfg.batch_size, len(corpus), cfg.seed))
-        batch = corpus.take(rows)
-        trainable, opt_state, metrics = step_fn(trainable, opt_state, frozen, *_arrays(batch))
-        tokens_seen += batch.num_tokens
-        _record(history, step, tokens_seen, metrics)
+        arrays, tokens = objective.batch(step)
+        trainable, opt_state, metrics = objective.step(trainable, opt_state, frozen, *arrays)
+        tokens_seen += tokens
+        _record(history, step, tokens_seen, metrics, objective.recorded)
         done = step + 1
-        if heldout is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
+        if evaluate is not None and (done % schedule.eval_every == 0 or done == schedule.steps):
             history["evals"].append(evaluate(trainable, frozen, done, tokens_seen))
-        if done % cfg.checkpoint_every == 0 or done == end:
+        if done % schedule.checkpoint_every == 0 or done == end:
             _save(manager, done, trainable, opt_state, history)
         bar.update(1)
-        bar.set_postfix(_postfix(history))
+        bar.set_postfix(objective.postfix(history))
     bar.close()
     manager.wait_until_finished()
     manager.close()
-    return TrainResult(model=with_trained(model, trainable), history=history)
+    return trainable, history
 
 
 def _settings(cfg: TrainConfig, corpus: Corpus) -> dict[str, Any]:
@@ -128,13 +179,13 @@ def _diff(old: dict, new: dict) -> str:
                      if old.get(k) != new.get(k))
 
 
-def _record(history: dict, step: int, tokens: int, metrics: dict) -> None:
+def _record(history: dict, step: int, tokens: int, metrics: dict, recorded: tuple[str, ...]) -> None:
     metrics = jax.device_get(metrics)
     history["step"].append(step + 1)
     history["tokens"].append(int(tokens))
     history["loss"].append(float(metrics["loss"]))
-    history["depth_loss"].append([float(x) for x in metrics["depth_loss"]])
-    history["depth_top1"].append([float(x) for x in metrics["depth_top1"]])
+    for name in recorded:
+        history[name].append([float(x) for x in metrics[name]])
 
 
 def _postfix(history: dict) -> dict[str, str]:
@@ -211,8 +262,13 @@ def _progress_bar(enabled: bool, start: int, total: int):
 # The loss and acceptance plot
 
 
-def plot_history(history: dict, path: str, title: str = "") -> str | None:
-    """A PNG of the training loss and the held-out acceptance against training tokens; None without matplotlib."""
+def plot_history(history: dict, path: str, title: str = "", *, series: str = "depth", series_label: str = "depth",
+                 heldout_label: str = "held-out (mean of depths)") -> str | None:
+    """A PNG of the training loss and the held-out acceptance against training tokens; None without matplotlib.
+
+    `history[series + "_loss"]` holds one loss per draft index and step (MTP depths, DFlash block positions), and
+    each evaluation's `acceptance` maps a draft count K to `acceptance_summary` of the replayed rounds; the largest K
+    gives the per-draft acceptance curves. With more than four draft indices, four spread ones are drawn."""
     try:
         import matplotlib
 
@@ -222,21 +278,21 @@ def plot_history(history: dict, path: str, title: str = "") -> str | None:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     tokens = np.asarray(history["tokens"]) / 1e3
-    depth_loss = np.asarray(history["depth_loss"])
-    for depth in range(depth_loss.shape[1] if depth_loss.size else 0):
-        left.plot(tokens, _smooth(depth_loss[:, depth]), label=f"depth {depth + 1}")
+    per_draft = np.asarray(history[f"{series}_loss"])
+    for index in _shown(per_draft.shape[1] if per_draft.size else 0):
+        left.plot(tokens, _smooth(per_draft[:, index]), label=f"{series_label} {index + 1}")
     if history["evals"]:
         left.plot([e["tokens"] / 1e3 for e in history["evals"]], [e["loss"] for e in history["evals"]], "k.--",
-                  label="held-out (mean of depths)")
+                  label=heldout_label)
     left.set(xlabel="training tokens (thousands)", ylabel="KL(target || draft), nats", title="distillation loss")
     left.legend()
     evals = history["evals"]
     if evals:
         x = [e["tokens"] / 1e3 for e in evals]
-        depths = len(evals[-1]["acceptance"])
-        per_depth = [evals_i["acceptance"][str(depths)]["per_depth"] for evals_i in evals]
-        for depth in range(depths):
-            right.plot(x, [p[depth] for p in per_depth], "o-", label=f"draft {depth + 1} (given earlier accepted)")
+        drafts = max(int(k) for k in evals[-1]["acceptance"])
+        per_index = [evals_i["acceptance"][str(drafts)]["per_depth"] for evals_i in evals]
+        for index in _shown(drafts):
+            right.plot(x, [p[index] for p in per_index], "o-", label=f"draft {index + 1} (given earlier accepted)")
         right.plot(x, [e["acceptance"]["1"]["acceptance_rate"] for e in evals], "k--", label="acceptance, K=1")
     right.set(xlabel="training tokens (thousands)", ylabel="greedy acceptance", ylim=(0, 1),
               title="held-out acceptance (prompts never trained on)")
@@ -247,6 +303,13 @@ def plot_history(history: dict, path: str, title: str = "") -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _shown(count: int, most: int = 4) -> list[int]:
+    """Which of `count` draft indices a plot draws: all of up to `most`, else `most` spread from first to last."""
+    if count <= most:
+        return list(range(count))
+    return sorted({round(i * (count - 1) / (most - 1)) for i in range(most)})
 
 
 def _smooth(values: np.ndarray, window: int = 20) -> np.ndarray:

@@ -1,9 +1,11 @@
-"""The optimizer and the jit-compiled train step: only MTP parameters train; the target stays frozen.
+"""The optimizer and the jit-compiled train steps: only the drafter's parameters train; the target stays frozen.
 
-A module splits into (graphdef, trainable, frozen): trainable are the `nnx.Param`s whose top-level attribute starts
-with "mtp" (`mtp_layers` in Llama models, the stacked `mtp_*` arrays of DeepSeek-V3 / GLM-4.5), frozen is everything
-else (the target, the draft vocabulary). The step takes the frozen state as an argument that is never donated, and
-donates the trainable params and the optimizer state, which it replaces.
+MTP layers: the module splits into (graphdef, trainable, frozen): trainable are the `nnx.Param`s whose top-level
+attribute starts with "mtp" (`mtp_layers` in Llama models, the stacked `mtp_*` arrays of DeepSeek-V3 / GLM-4.5),
+frozen is everything else (the target, the draft vocabulary). A DFlash drafter is a module of its own: all of it
+trains, and the frozen state is the target's (its embedding and head are what the drafter reads). A step takes the
+frozen state as an argument that is never donated, and donates the trainable params and the optimizer state, which
+it replaces.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from .dflash_losses import block_drafts, block_loss
 from .losses import distillation_loss
 
 
@@ -99,5 +102,54 @@ def make_draft_tokens(graphdef, depths: int):
     def drafts(trainable, frozen, tokens, hidden):
         module = nnx.merge(graphdef, trainable, frozen)
         return draft_tokens(module, tokens, hidden.astype(jnp.float32), depths)
+
+    return drafts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DFlash drafters: every parameter of the drafter trains; the target (its embedding and head) is the frozen state.
+
+
+@functools.lru_cache(maxsize=8)
+def make_block_train_step(graphdef, target_graphdef, optim: OptimConfig, loss_decay: float):
+    """`step(trainable, opt_state, frozen, tokens, lengths, features, hidden, anchors, valid) -> (trainable,
+    opt_state, metrics)`, jitted: `trainable` is the drafter's state, `frozen` the target's (see
+    `dflash_losses.block_loss` for the rest)."""
+    optimizer = make_optimizer(optim)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(trainable, opt_state, frozen, tokens, lengths, features, hidden, anchors, valid):
+        target = nnx.merge(target_graphdef, frozen)
+
+        def loss_fn(trainable):
+            drafter = nnx.merge(graphdef, trainable)
+            return block_loss(drafter, target, tokens, lengths, features, hidden, anchors, valid, loss_decay)
+
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        return optax.apply_updates(trainable, updates), opt_state, metrics
+
+    return step
+
+
+@functools.lru_cache(maxsize=8)
+def make_block_eval_loss(graphdef, target_graphdef, loss_decay: float):
+    """`loss(trainable, frozen, tokens, lengths, features, hidden, anchors, valid) -> metrics`, jitted."""
+    @jax.jit
+    def evaluate(trainable, frozen, tokens, lengths, features, hidden, anchors, valid):
+        drafter, target = nnx.merge(graphdef, trainable), nnx.merge(target_graphdef, frozen)
+        return block_loss(drafter, target, tokens, lengths, features, hidden, anchors, valid, loss_decay)[1]
+
+    return evaluate
+
+
+@functools.lru_cache(maxsize=8)
+def make_block_drafts(graphdef, target_graphdef):
+    """`drafts(trainable, frozen, tokens, features, anchors) -> [B, A, W-1]` greedy block drafts, jitted."""
+    @jax.jit
+    def drafts(trainable, frozen, tokens, features, anchors):
+        drafter, target = nnx.merge(graphdef, trainable), nnx.merge(target_graphdef, frozen)
+        return block_drafts(drafter, target, tokens, features, anchors)
 
     return drafts

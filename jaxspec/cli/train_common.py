@@ -1,0 +1,91 @@
+"""What the training command lines (`jaxspec-train-mtp`, `jaxspec-train-dflash`) share: the data flags, the data
+cache's folder, and timing the target's generation on this machine for the time estimate."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+# Prompts take about this many of a generated row's positions; the rest are generated one token per step.
+TYPICAL_PROMPT_LEN = 40
+
+
+def add_data_flags(p: argparse.ArgumentParser, *, stdlib_windows: int, heldout_prompts: int = 64) -> None:
+    """The flags of the data recipe: prompts the target answers, held-out prompts, standard-library windows."""
+    p.add_argument("--train-prompts", type=int, default=2560, help="training prompts the target answers")
+    p.add_argument("--heldout-prompts", type=int, default=heldout_prompts, help="held-out prompts (never trained on)")
+    p.add_argument("--stdlib-share", type=float, default=0.5,
+                   help="share of the prompts made from standard-library code (the rest: instructions and free text)")
+    p.add_argument("--stdlib-windows", type=int, default=stdlib_windows, help="windows of standard-library source")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--max-prompt-len", type=int, default=160)
+    p.add_argument("--gen-batch-size", type=int, default=32)
+
+
+def check_data_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`p.error` (exit 2) on a data flag no recipe can use."""
+    for name in ("train_prompts", "heldout_prompts", "gen_batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.stdlib_windows < 0:
+        p.error("--stdlib-windows must be >= 0")
+    if not 0.0 <= args.stdlib_share <= 1.0:
+        p.error("--stdlib-share must be between 0 and 1")
+    if not 0 < args.max_prompt_len < args.seq_len:
+        p.error("--max-prompt-len must be between 1 and --seq-len - 1 (generations need room)")
+
+
+def data_recipe(args: argparse.Namespace, model, **extra: Any) -> dict[str, Any]:
+    """What a cached corpus was built from: the data flags, the target, this Python (its standard library is data)
+    and the target's dtype, plus `extra`."""
+    recipe = {key: getattr(args, key) for key in ("train_prompts", "heldout_prompts", "stdlib_share",
+                                                  "stdlib_windows", "seq_len", "max_prompt_len", "seed")}
+    return recipe | {"model": model.source, "python": sys.version.split()[0], "dtype": str(model.dtype)} | extra
+
+
+def data_folder(workdir: str, recipe: dict[str, Any]) -> str:
+    """WORKDIR/data-<hash of the recipe>: a changed recipe builds (and caches) its own data."""
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    return os.path.join(workdir, "data-" + digest)
+
+
+def timed(run: Callable[[], Any]) -> float:
+    """Seconds `run()` takes once compiled: it runs twice, the first time to compile."""
+    import jax
+
+    jax.block_until_ready(run())
+    start = time.perf_counter()
+    jax.block_until_ready(run())
+    return time.perf_counter() - start
+
+
+def generation_step_seconds(module, batch_size: int, seq_len: int) -> float:
+    """Seconds per generated position of a batch of `batch_size` greedy generations (a short buffer: each step costs
+    about the same as at full length)."""
+    import numpy as np
+
+    from jaxspec.train import data
+
+    prompts = [list(np.random.default_rng(0).integers(0, module.cfg.vocab_size, 8)) for _ in range(batch_size)]
+    short = min(seq_len, 40)
+    return timed(lambda: data.greedy_generations(module, prompts, short, batch_size, eos_ids=()).tokens) / (short - 8)
+
+
+def generation_seconds(args: argparse.Namespace, step_seconds: float) -> float:
+    """Seconds to generate the training and held-out answers, at `step_seconds` per generated position of a batch."""
+    batches = -(-(args.train_prompts + args.heldout_prompts) // args.gen_batch_size)
+    prompt = min(TYPICAL_PROMPT_LEN, args.max_prompt_len // 2)
+    return batches * (args.seq_len - prompt) * step_seconds
+
+
+def peak_memory_gb() -> float:
+    """This process's peak resident memory so far, in GB (Linux reports kilobytes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6

@@ -1,0 +1,292 @@
+"""Train a DFlash block drafter for a Llama, Qwen2 or Qwen3 target, offline, and write it in z-lab's
+`DFlashDraftModel` layout, where `jaxspec.load` (`assistant_model=`, `--strategy dflash --assistant FOLDER`) and
+z-lab's `dflash` package read it.
+
+    jaxspec-train-dflash --out drafters/smollm2-135m-dflash
+    jaxspec-train-dflash --model path/to/qwen3 --layers 5 --block-size 16 --steps 3000 --out drafters/qwen3-dflash
+
+`python scripts/train_dflash.py ...` runs the same. The defaults are the recipe for the default model on a CPU: a
+3-layer drafter with blocks of 8 (7 drafts a round) and 32 blocks per row per step. Blocks of 16, as DFlash's
+drafters for large targets use, spend half of each step's head products on entries 8 .. 15, which a drafter trained
+for a few CPU hours rarely reaches; a 150-step probe on SmolLM2-135M (96 answers) reached 0.111 held-out first-draft
+acceptance with blocks of 8 and 32 anchors against 0.084 with 16 and 16 (about as many head products a step).
+Steps:
+1. The data, once, cached in WORKDIR/data-*: the target's greedy answers to the training prompts
+   (jaxspec/train/prompts.py, as for jaxspec-train-mtp) and to a held-out prompt set that training never sees, with
+   the target's outputs at the drafter's tapped layers (--target-layers; default: one per drafter layer, z-lab's
+   rule) and its final-normed states, in bfloat16. The script prints the corpus's size before building it.
+2. A fresh drafter of --layers layers of the target's width, its layers copied from the target's last ones, and a
+   mask token: --mask-token-id, else the tokenizer's, else the id the training answers use least.
+3. AdamW with warmup and cosine decay on the DFlash objective: --anchors blocks per row per step, each anchored at a
+   random position of the answer, its entries weighted exp(-(k-1)/gamma) (--loss-decay; default: the paper's for the
+   block size), KL to the target's next-token distribution. Orbax checkpoints in WORKDIR/checkpoints; rerunning the
+   same command resumes. Held-out greedy block acceptance is replayed every --eval-every steps.
+4. WORKDIR/loss.png, WORKDIR/summary.json, and with --out the drafter folder (config.json, model.safetensors in
+   bfloat16, training.json with the held-out acceptance and the recipe).
+
+Before the long work starts, the script times the target and one train step on this machine and prints how long
+the run will take and how much memory the corpus needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from .train_common import (add_data_flags, check_data_flags, data_folder, data_recipe, generation_seconds,
+                           generation_step_seconds, peak_memory_gb, timed)
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="HF folder, .gguf file, conversion folder or catalogue name")
+    p.add_argument("--layers", type=int, default=3, help="drafter layers")
+    p.add_argument("--target-layers", default=None,
+                   help="comma-separated target layers whose outputs form the drafter's context, in order (default: "
+                        "one per drafter layer, spread over the target as z-lab's drafters are)")
+    p.add_argument("--block-size", type=int, default=8,
+                   help="W: the bonus token and W-1 mask tokens (W-1 drafts); DFlash's large drafters use 16")
+    p.add_argument("--mask-token-id", type=int, default=None,
+                   help="the block's mask token (default: the tokenizer's mask token, else the id the training "
+                        "answers use least)")
+    p.add_argument("--anchors", type=int, default=32, help="blocks per row per train step")
+    p.add_argument("--loss-decay", type=float, default=None,
+                   help="gamma of the block-entry weights exp(-(k-1)/gamma) (default: 7 for W=16, 5 for 10, 4 for 8)")
+    # No stdlib windows by default: past its first entry, a block's targets are conditioned on tokens the target
+    # would not have produced there, which its own answers never are. The held-out replay drafts at every position
+    # of every answer (W-1 head rows each), so its set is smaller than jaxspec-train-mtp's.
+    add_data_flags(p, stdlib_windows=0, heldout_prompts=32)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch-size", type=int, default=4, help="rows per train step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--eval-every", type=int, default=500)
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=None, help="data cache, checkpoints and plot (default: "
+                   "$JAXSPEC_CACHE/train/<model>-dflash, i.e. ~/.cache/jaxspec/train/...)")
+    p.add_argument("--out", default=None, help="write the trained drafter to this folder (z-lab's layout)")
+    p.add_argument("--stop-after", type=int, default=None, help="stop at this step (rerun to resume)")
+    p.add_argument("--estimate-only", action="store_true", help="print the time and memory estimate and exit")
+    args = p.parse_args(argv)
+    check_data_flags(p, args)
+    if args.layers < 1:
+        p.error("--layers must be >= 1")
+    if args.block_size < 2:
+        p.error("--block-size must be >= 2 (the bonus token and at least one mask token)")
+    if args.target_layers is not None:
+        try:
+            args.target_layers = tuple(int(x) for x in args.target_layers.split(","))
+        except ValueError:
+            p.error(f"--target-layers must be comma-separated integers, got {args.target_layers!r}")
+    for name in ("anchors", "steps", "batch_size", "eval_every", "checkpoint_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.anchors > args.seq_len - 2:
+        p.error(f"--anchors {args.anchors} exceeds the {args.seq_len - 2} positions a row of --seq-len tokens can "
+                "anchor a block at")
+    if args.loss_decay is not None and not args.loss_decay > 0:
+        p.error("--loss-decay must be positive")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jaxspec
+    from jaxspec import catalog
+    from jaxspec.assets import strip_mtp
+    from jaxspec.train import DFlashTrainConfig, OptimConfig, data, dflash_data, new_dflash_drafter, train_dflash
+    from jaxspec.train.dflash_loop import plot_dflash_history
+
+    workdir = args.workdir or os.path.join(catalog.cache_root(), "train",
+                                           f"{os.path.basename(os.path.normpath(args.model))}-dflash")
+    os.makedirs(workdir, exist_ok=True)
+    model = strip_mtp(jaxspec.load(args.model, progress=True))  # the target alone (a catalogue model has MTP layers)
+    if model.tokenizer is None:
+        print(f"{args.model} has no tokenizer; the prompts need one.", file=sys.stderr)
+        return 2
+    # Every setting is checked on a drafter built now (the mask token is settled once the data exists).
+    try:
+        probe = new_dflash_drafter(model, args.layers, args.block_size, target_layer_ids=args.target_layers,
+                                   mask_token_id=args.mask_token_id)
+    except (ValueError, NotImplementedError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    layer_ids = probe.config.target_layer_ids
+
+    # -- the plan, timed on this machine ----------------------------------------------------------------------
+    recipe = data_recipe(args, model, target_layer_ids=list(layer_ids))
+    data_dir = data_folder(workdir, recipe)
+    cached = tuple(data.load(os.path.join(data_dir, split), recipe, kind=dflash_data.BlockCorpus)
+                   for split in ("train", "heldout"))
+    need_data = None in cached
+    rates = _calibrate(model, probe, args, need_data)
+    estimate = _estimate(args, rates, need_data)
+    rows = args.train_prompts + args.stdlib_windows
+    corpus_gb = dflash_data.corpus_bytes(rows + args.heldout_prompts, args.seq_len, model.config.hidden_size,
+                                         len(layer_ids)) / 1e9
+    print(f"plan: a {args.layers}-layer drafter, blocks of {args.block_size}, context from target layers "
+          f"{list(layer_ids)}; {args.train_prompts} training + {args.heldout_prompts} held-out answers and "
+          f"{args.stdlib_windows} stdlib windows of {args.seq_len} tokens ({corpus_gb:.2f} GB of data, at most); "
+          f"{args.steps} steps of {args.batch_size} rows x {args.anchors} blocks")
+    print("measured here: " + ", ".join(f"{k} {v:.3g} s" for k, v in rates.items())
+          + f"; peak memory so far (the target and one train step) {peak_memory_gb():.1f} GB")
+    print("estimated time on this machine: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in estimate.items())
+          + f"; total {sum(estimate.values()) / 60:.0f} min", flush=True)
+    if args.estimate_only:
+        return 0
+
+    # -- data: the target runs once -----------------------------------------------------------------------------
+    train_corpus, heldout = cached
+    if need_data:
+        start = time.perf_counter()
+        train_corpus, heldout = _build_data(model, args, layer_ids, data, dflash_data)
+        data.save(train_corpus, os.path.join(data_dir, "train"), recipe)
+        data.save(heldout, os.path.join(data_dir, "heldout"), recipe)
+        print(f"data: {len(train_corpus)} training rows ({train_corpus.num_tokens} tokens) and {len(heldout)} "
+              f"held-out rows in {(time.perf_counter() - start) / 60:.1f} min (cached in {data_dir})", flush=True)
+
+    # -- the drafter, training, outputs ------------------------------------------------------------------------
+    mask = args.mask_token_id
+    if mask is None and getattr(model.tokenizer, "mask_token_id", None) is None:
+        mask = dflash_data.rarest_token(train_corpus, model.config.vocab_size)
+    drafter = new_dflash_drafter(model, args.layers, args.block_size, target_layer_ids=layer_ids, mask_token_id=mask)
+    mask = drafter.config.mask_token_id
+    print(f"mask token: {mask} ({model.tokenizer.convert_ids_to_tokens(mask)!r})")
+    cfg = DFlashTrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_row=args.anchors,
+                            loss_decay=args.loss_decay, eval_every=args.eval_every,
+                            checkpoint_every=args.checkpoint_every, seed=args.seed,
+                            optim=OptimConfig(learning_rate=args.lr, warmup_steps=args.warmup,
+                                              weight_decay=args.weight_decay))
+    start = time.perf_counter()
+    result = train_dflash(drafter, model, train_corpus, heldout, cfg, workdir, stop_at=args.stop_after)
+    minutes = (time.perf_counter() - start) / 60
+    plot = plot_dflash_history(result.history, os.path.join(workdir, "loss.png"),
+                               title=f"DFlash drafter, {os.path.basename(os.path.normpath(args.model))}")
+    final = result.history["evals"][-1] if result.history["evals"] else None
+    summary = {"model": args.model, "steps": result.history["step"][-1] if result.history["step"] else 0,
+               "training_tokens": result.history["tokens"][-1] if result.history["tokens"] else 0,
+               "train_minutes_this_session": round(minutes, 1), "heldout": final, "recipe": recipe,
+               "train_config": result.history["settings"]}
+    with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as handle:
+        json.dump(summary, handle, indent=2)
+    if final:
+        for k in sorted({1, 2, 4, args.block_size - 1} & set(range(1, args.block_size))):
+            acc = final["acceptance"][str(k)]
+            print(f"held-out, {k} draft(s) per round: acceptance {acc['acceptance_rate']:.3f}, "
+                  f"{acc['tokens_per_round']:.2f} tokens per round")
+        per_entry = final["acceptance"][str(args.block_size - 1)]["per_depth"]
+        print("held-out acceptance of draft k given drafts 1..k-1 accepted: "
+              + " ".join(f"{x:.2f}" for x in per_entry))
+    print(f"plot: {plot or 'skipped (matplotlib is not installed)'}; summary: {workdir}/summary.json")
+    if summary["steps"] < args.steps:
+        print(f"stopped at step {summary['steps']} of {args.steps}; rerun the same command to resume.")
+        return 0
+    if args.out:
+        from jaxspec.train import save_dflash_drafter
+
+        training = {"base": args.model, "heldout": final, "recipe": recipe | {"model": args.model},
+                    "train_config": result.history["settings"]}
+        print(f"wrote {save_dflash_drafter(result.model, args.out, training=training)}")
+    return 0
+
+
+def _build_data(model, args, layer_ids, data, dflash_data):
+    """(training corpus, held-out corpus): the target's answers (and stdlib windows) with its taps."""
+    from tqdm.auto import tqdm
+
+    tokenizer, module = model.tokenizer, model.module
+    eos = model.eos_token_ids()
+    train_ids = data.prompt_ids(tokenizer, False, args.train_prompts, args.stdlib_share, args.max_prompt_len,
+                                args.seed)
+    heldout_ids = data.prompt_ids(tokenizer, True, args.heldout_prompts, args.stdlib_share, args.max_prompt_len,
+                                  args.seed)
+    with tqdm(total=len(train_ids) + len(heldout_ids), desc="answering", unit="prompt") as bar:
+        heldout = dflash_data.generated_block_corpus(module, heldout_ids, args.seq_len, args.gen_batch_size, eos,
+                                                     layer_ids, progress=bar.update)
+        train_corpus = dflash_data.generated_block_corpus(module, train_ids, args.seq_len, args.gen_batch_size, eos,
+                                                          layer_ids, progress=bar.update)
+    windows = data.stdlib_windows(tokenizer, args.seq_len, args.stdlib_windows, args.seed)
+    if len(windows):
+        with tqdm(total=len(windows), desc="stdlib windows", unit="row") as bar:
+            text = dflash_data.block_corpus(module, windows, [args.seq_len] * len(windows), [0] * len(windows),
+                                            layer_ids, args.batch_size, bar.update)
+        train_corpus = dflash_data.concat([train_corpus, text])
+    return train_corpus, heldout
+
+
+def _calibrate(model, probe, args, need_data: bool) -> dict[str, float]:
+    """Seconds per unit of work, measured here (each after its compile): a generation step of a batch, the taps of
+    a batch of rows, one train step, and the two calls a held-out evaluation repeats."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jaxspec.train import dflash_data
+    from jaxspec.train.dflash_loop import EVAL_BLOCKS, EVAL_ROWS
+    from jaxspec.train.dflash_losses import default_loss_decay, sample_anchors
+    from jaxspec.train.loop import committed
+    from jaxspec.train.step import (OptimConfig, make_block_drafts, make_block_eval_loss, make_block_train_step,
+                                    make_optimizer)
+
+    rng = np.random.default_rng(0)
+    layer_ids = probe.config.target_layer_ids
+    b, t, d, vocab = args.batch_size, args.seq_len, model.config.hidden_size, model.config.vocab_size
+    tokens = rng.integers(0, vocab, (b, t)).astype(np.int32)
+    rates = {}
+    if need_data:
+        rates["gen_step"] = generation_step_seconds(model.module, args.gen_batch_size, args.seq_len)
+        many = np.resize(tokens, (args.gen_batch_size, t))
+        rates["taps_batch"] = timed(lambda: dflash_data.block_corpus(
+            model.module, many, np.full(len(many), t), np.zeros(len(many)), layer_ids, args.gen_batch_size).features)
+    graphdef, trainable = nnx.split(probe.module)
+    target_graphdef, frozen = nnx.split(model.module)
+    decay = args.loss_decay or default_loss_decay(args.block_size)
+    optim = OptimConfig()
+    trainable, opt_state, frozen = committed(trainable, make_optimizer(optim).init(trainable), frozen)
+    step = make_block_train_step(graphdef, target_graphdef, optim, decay)
+    anchors, valid = sample_anchors(rng, np.full(b, t // 4), np.full(b, t), args.anchors, t)
+    batch = (jnp.asarray(tokens), jnp.full((b,), t, jnp.int32),
+             jnp.asarray(rng.standard_normal((b, t, len(layer_ids) * d)), jnp.bfloat16),
+             jnp.asarray(rng.standard_normal((b, t, d)), jnp.bfloat16), jnp.asarray(anchors), jnp.asarray(valid))
+    state = [trainable, opt_state]
+
+    def train_step():
+        state[0], state[1], metrics = step(state[0], state[1], frozen, *batch)
+        return metrics
+
+    rates["train_step"] = timed(train_step)
+    # A held-out evaluation repeats, per EVAL_ROWS rows: one loss call and a draft call per chunk of anchors.
+    chunk = max(EVAL_BLOCKS // (EVAL_ROWS * (args.block_size - 1)), 1)
+    rows = np.resize(np.arange(b), EVAL_ROWS)
+    eval_batch = tuple(jnp.asarray(np.asarray(x)[rows]) for x in batch)
+    drafts, loss = make_block_drafts(graphdef, target_graphdef), make_block_eval_loss(graphdef, target_graphdef, decay)
+    at = jnp.asarray(np.broadcast_to(np.arange(chunk), (EVAL_ROWS, chunk)), jnp.int32)
+    seconds = timed(lambda: loss(state[0], frozen, *eval_batch))
+    seconds += -(-args.seq_len // chunk) * timed(lambda: drafts(state[0], frozen, eval_batch[0], eval_batch[2], at))
+    rates["eval_row"] = seconds / EVAL_ROWS  # anchors span at most the whole row
+    jax.block_until_ready(state)
+    return rates
+
+
+def _estimate(args, rates: dict[str, float], need_data: bool) -> dict[str, float]:
+    out = {}
+    if need_data:
+        out["generation"] = generation_seconds(args, rates["gen_step"])
+        rows = args.train_prompts + args.heldout_prompts + args.stdlib_windows
+        out["target taps"] = -(-rows // args.gen_batch_size) * rates["taps_batch"]
+    out["training"] = args.steps * rates["train_step"]
+    evaluations = args.steps // args.eval_every + 2  # before the first step, every --eval-every, after the last
+    out["held-out evaluations"] = evaluations * args.heldout_prompts * rates["eval_row"]
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
