@@ -3,6 +3,8 @@ the rule that a slow test never skips (`pytest_runtest_makereport` below)."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 
 # Eight CPU devices for the mesh tests. LLVM's optimisations off: the suite's models are tiny, so compiling is most
@@ -22,7 +24,6 @@ os.environ.setdefault("JAXSPEC_PREFILL_CHUNK", "8")
 
 import pytest
 
-from tests.fixtures import hf_models
 
 
 @pytest.hookimpl(wrapper=True)
@@ -53,12 +54,16 @@ def user_buffer_sizes(monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """GQA Llama, untied head, 4 layers: the workhorse target of the suite."""
+    from tests.fixtures import hf_models  # imported here: xdist's controller process never loads torch
+
     return hf_models.save_tiny("llama", tmp_path_factory.mktemp("llama"), seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_draft_dir(tmp_path_factory):
     """A smaller, differently seeded Llama with the same vocabulary: a weak assistant."""
+    from tests.fixtures import hf_models
+
     return hf_models.save_tiny("llama", tmp_path_factory.mktemp("llama_draft"), seed=1, num_hidden_layers=2)
 
 
@@ -85,7 +90,11 @@ def compilation_cache(tmp_path_factory):
     instead of compiling it again."""
     import jaxspec
 
+    import jax
+
     jaxspec.enable_compilation_cache(str(tmp_path_factory.mktemp("xla")))
+    # Every executable, not only those that took over half a second: the tiny models' loops compile in about that.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -100,3 +109,14 @@ def release_compiled_programs():
     if loop_module is not None:
         loop_module._compiled.clear()
     jax.clear_caches()
+    gc.collect()
+    _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc keeps them otherwise, and a long run's resident memory
+    only grows)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass

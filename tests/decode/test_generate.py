@@ -162,7 +162,7 @@ def test_top_k_one_is_greedy(llama):
 # -- several devices --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", [(1, 4), (2, 2)])
+@pytest.mark.parametrize("shape", [pytest.param((1, 4), marks=pytest.mark.slow), (2, 2)])
 def test_sharded_equals_single_device(llama, shape):
     assert len(jax.devices()) >= 4, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(shape), ("data", "model"))

@@ -89,7 +89,7 @@ def ragged(rows):
     return ids, mask
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow), "gemma3_text"])
 def test_decoding_across_prefix_boundaries_equals_transformers(fresh_executables, small_prefixes, tmp_path, family):
     """Two rows decode from 100 and 20 tokens to 260 positions: attention moves from a 128- to a 256- to a 512-entry
     prefix; a sliding-window family checks windowed layers too. Prompt lookup equals plain greedy."""

@@ -114,7 +114,7 @@ def target(tiny_llama_dir):
     return jaxspec.load(tiny_llama_dir)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_a_quantized_assistant_keeps_greedy_output(target, batch):
     """The target itself, quantized, drafts: most drafts are accepted, and the output is plain greedy's."""
     ids, mask = left_padded(PROMPTS[:batch])
@@ -177,6 +177,7 @@ def test_errors(target, tmp_path):
         quantize(moe)
 
 
+@pytest.mark.slow  # the default suite runs the float32 assistant on the mesh (test_every_strategy)
 def test_a_quantized_assistant_on_a_2x2_mesh_equals_one_device(target):
     """Scales follow their weights' logical axes (their size-1 contracted axes stay unsharded)."""
     assistant = quantize(target)

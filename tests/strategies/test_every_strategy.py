@@ -45,7 +45,7 @@ def strategy_call(name, folders, dtype):
 
 # The default suite checks bfloat16 on the two strategies whose drafters run forwards of their own (MTP, an
 # assistant); prompt lookup and early exit run in the slow suite.
-@pytest.mark.parametrize("name", [name if name in ("mtp", "speculative") else pytest.param(name, marks=pytest.mark.slow)
+@pytest.mark.parametrize("name", [name if name == "speculative" else pytest.param(name, marks=pytest.mark.slow)
                                   for name in sorted(STRATEGIES)])
 def test_bfloat16_greedy_equals_plain_greedy(folders, name):
     target, kwargs = strategy_call(name, folders, jnp.bfloat16)
@@ -55,7 +55,8 @@ def test_bfloat16_greedy_equals_plain_greedy(folders, name):
     assert out.drafted.sum() > 0
 
 
-@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@pytest.mark.parametrize("name", [name if name in ("mtp", "speculative") else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in sorted(STRATEGIES)])
 def test_a_2x2_mesh_equals_one_device(folders, name):
     assert len(jax.devices()) >= 4, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))

@@ -63,8 +63,9 @@ def test_prompt_lookup_random_sequences_match_transformers():
     dict(prompt_lookup_num_tokens=3),
     pytest.param(dict(prompt_lookup_num_tokens=6, max_matching_ngram_size=3, num_assistant_tokens_schedule="constant"),
                  marks=pytest.mark.slow),
-    dict(assistant_early_exit=2, num_assistant_tokens=4, assistant_confidence_threshold=0.0),
-    pytest.param(dict(assistant_early_exit=1), marks=pytest.mark.slow),  # the suite has E=2 and E=3
+    pytest.param(dict(assistant_early_exit=2, num_assistant_tokens=4, assistant_confidence_threshold=0.0),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(assistant_early_exit=1), marks=pytest.mark.slow),  # the default suite has E=3
     dict(assistant_early_exit=3, num_assistant_tokens=3, num_assistant_tokens_schedule="heuristic",
          assistant_confidence_threshold=0.0),
 ])

@@ -41,7 +41,7 @@ SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("family, layers", [
-    ("deepseek_v3", 1), ("glm4_moe", 2), ("deepseek_v3", 3),
+    ("deepseek_v3", 1), ("glm4_moe", 2), pytest.param("deepseek_v3", 3, marks=SLOW),
     pytest.param("glm4_moe", 1, marks=SLOW), pytest.param("deepseek_v3", 2, marks=SLOW),
     pytest.param("glm4_moe", 3, marks=SLOW),
 ])
@@ -60,10 +60,10 @@ def test_greedy_equals_plain_greedy_and_transformers(checkpoints, family, layers
     hf_class._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{2 + k}\..*" for k in range(layers)]
     try:
         hf = hf_class.from_pretrained(folder, dtype=torch.float32).eval()
-        for prompt in PROMPTS:
+        for row, prompt in enumerate(PROMPTS):  # transformers' MTP decoding takes one row at a time
             expected = hf.generate(torch.tensor([prompt]), max_new_tokens=N, do_sample=False, use_mtp=True).numpy()
-            single = jaxspec.generate(model, [prompt], max_new_tokens=N, use_mtp=True)
-            np.testing.assert_array_equal(single.sequences[:, : expected.shape[1]], expected)
+            new = expected[0, len(prompt):]
+            np.testing.assert_array_equal(out.new_tokens(row)[: len(new)], new)
     finally:
         hf_class._keys_to_ignore_on_load_unexpected = saved
 

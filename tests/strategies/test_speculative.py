@@ -28,9 +28,9 @@ def plain(target):
 
 
 @pytest.mark.parametrize("k, schedule, threshold", [
-    (1, "constant", 0.0), (4, "constant", 0.4), pytest.param(8, "heuristic", 0.0, marks=pytest.mark.slow),
-    (4, "heuristic_transient", 0.4),
-    (4, "adaptive", 0.0), (8, "adaptive", 0.4),
+    (1, "constant", 0.0), pytest.param(4, "constant", 0.4, marks=pytest.mark.slow),
+    pytest.param(8, "heuristic", 0.0, marks=pytest.mark.slow), (4, "heuristic_transient", 0.4),
+    pytest.param(4, "adaptive", 0.0, marks=pytest.mark.slow), (8, "adaptive", 0.4),
 ])
 def test_greedy_equals_plain_greedy(target, draft, plain, k, schedule, threshold):
     ids, mask = left_padded(PROMPTS)
@@ -53,7 +53,8 @@ def test_rounds_equal_a_replay_with_transformers_models(tiny_llama_dir, tiny_lla
         assert out.accepted_hist.sum(0).tolist() == oracles.histogram(accepted, k)
 
 
-@pytest.mark.parametrize("k, schedule, threshold", [(3, "constant", 0.0), (5, "constant", 0.4),
+@pytest.mark.parametrize("k, schedule, threshold", [pytest.param(3, "constant", 0.0, marks=pytest.mark.slow),
+                                                    (5, "constant", 0.4),
                                                     (2, "heuristic_transient", 0.0)])
 def test_greedy_equals_transformers_assisted_generate(tiny_llama_dir, tiny_llama_draft_dir, target, draft, k,
                                                       schedule, threshold):
@@ -112,8 +113,9 @@ def test_always_wrong_assistant_accepts_nothing_and_backs_off(tiny_llama_dir, ta
     assert adaptive.draft_forwards < constant.draft_forwards / 5
 
 
-@pytest.mark.parametrize("behind, blocks", [((1, 1), [1]), ((2, 1), [2]), ((12, 2), [16]), ((5, 1), [8]),
-                                            ((40, 3), [64]), ((70, 9), [64, 8])])
+@pytest.mark.parametrize("behind, blocks", [((1, 1), [1]), pytest.param((2, 1), [2], marks=pytest.mark.slow),
+                                            ((12, 2), [16]), pytest.param((5, 1), [8], marks=pytest.mark.slow),
+                                            pytest.param((40, 3), [64], marks=pytest.mark.slow), ((70, 9), [64, 8])])
 def test_catch_up_reads_a_gap_in_the_narrowest_block_that_covers_it(target, behind, blocks):
     """A row that sat out rounds catches up in the narrowest block that covers its gap (12 tokens: one block of 16,
     not a chunk-wide block of 64, nor several of 8), and after a round that ended in a rejection (one token behind)
@@ -265,12 +267,13 @@ def test_sampling_is_exact(tiny_llama_dir, target, draft):
     exact = oracles.exact_marginals(hf_models.load_hf(tiny_llama_dir), prompt, positions=3)
     common = dict(max_new_tokens=k + 2, do_sample=True, top_k=0, eos_token_id=[], assistant_model=draft,
                   num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
-    out = jaxspec.generate(target, [prompt] * rows, seed=3, **common)
+    out = oracles.sample_rows(lambda ids, seed: jaxspec.generate(target, ids, seed=seed, **common), prompt, rows, 3)
     assert out.accepted_hist[:, 2:].sum() > 100 and out.drafted.sum() >= rows * k  # multi-draft rounds happen
     new = out.sequences[:, len(prompt):]
     for i in range(3):
         assert oracles.goodness_of_fit(new[:, i], exact[i]) > 1e-3, i
-    lossy = jaxspec.generate(target, [prompt] * rows, seed=3, assistant_ensemble_weight=0.3, **common)
+    lossy = oracles.sample_rows(lambda ids, seed: jaxspec.generate(target, ids, seed=seed, assistant_ensemble_weight=0.3,
+                                                                   **common), prompt, rows, 3)
     assert min(oracles.goodness_of_fit(lossy.sequences[:, len(prompt) + i], exact[i]) for i in (1, 2)) < 1e-6
 
 

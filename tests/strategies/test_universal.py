@@ -605,16 +605,12 @@ def test_sampling_is_exact(folders, loaded, near_twin):
     hf_target = hf_models.load_hf(folders["byte_level"])
     twin = jaxspec.load(near_twin)
 
-    @torch.no_grad()
-    def last_logits(batch):
-        return np.concatenate([hf_target(torch.tensor(batch[i: i + 8192])).logits[:, -1].numpy()
-                               for i in range(0, len(batch), 8192)])
-
-    exact = oracles.exact_marginals(last_logits, prompt, positions=3, temperature=temperature)
-    out = jaxspec.generate(loaded["byte_level"], [prompt] * rows, seed=3, max_new_tokens=k + 2, do_sample=True,
-                           temperature=temperature, top_k=0, top_p=1.0, eos_token_id=[], assistant_model=twin,
-                           num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
-                           assistant_confidence_threshold=0.0)
+    exact = oracles.exact_marginals(hf_target, prompt, positions=3, temperature=temperature)
+    settings = dict(max_new_tokens=k + 2, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                    eos_token_id=[], assistant_model=twin, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                    assistant_confidence_threshold=0.0)
+    out = oracles.sample_rows(lambda ids, seed: jaxspec.generate(loaded["byte_level"], ids, seed=seed, **settings),
+                              prompt, rows, 3)
     assert out.accepted_hist[:, 2:].sum() > 100 and out.drafted.sum() >= rows  # multi-draft rounds happen
     new = out.sequences[:, len(prompt):]
     tables = vm.build(loaded["byte_level"].tokenizer, twin.tokenizer, loaded["byte_level"].config.vocab_size,
@@ -637,7 +633,7 @@ def test_a_quantized_assistant_with_another_tokenizer(loaded, near_twin):
     np.testing.assert_array_equal(out.sequences, plain.sequences)
 
 
-@pytest.mark.parametrize("quantization", [[], ["--assistant-quantization", "int8"]])
+@pytest.mark.parametrize("quantization", [pytest.param([], marks=pytest.mark.slow), ["--assistant-quantization", "int8"]])
 def test_cli_assistant_with_another_tokenizer(folders, capsys, monkeypatch, quantization):
     """`--strategy universal --assistant` with another tokenizer runs universal decoding, greedy-identical, with
     the assistant in float32 or int8; `--strategy speculative` with that assistant is refused, naming universal."""

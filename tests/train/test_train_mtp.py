@@ -339,6 +339,7 @@ def test_heldout_prompts_are_never_trained_on_and_the_mix_follows_the_share():
 # The command line, end to end on a tiny target
 
 
+@pytest.mark.slow  # ~30 s: the CLI generates, trains and converts; the functions it calls are tested above
 def test_train_script_writes_an_asset_and_a_conversion(tmp_path, capsys):
     import importlib.util
 
