@@ -26,6 +26,20 @@ import pytest
 
 
 
+# The folders in the order their modules start: xdist hands whole modules to two workers in collection order, so the
+# long ones (strategies, a minute or two each) go first and the short ones fill in at the end, instead of one worker
+# finishing a long module alone while the other idles.
+FOLDER_ORDER = ("strategies", "train", "e2e", "decode", "models", "convert")
+
+
+def pytest_collection_modifyitems(items):
+    def folder_rank(item):
+        parts = item.nodeid.split("/")
+        return FOLDER_ORDER.index(parts[1]) if len(parts) > 2 and parts[1] in FOLDER_ORDER else len(FOLDER_ORDER)
+
+    items.sort(key=folder_rank)  # stable: each module keeps its tests' order
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """A slow test never skips: a skip becomes a failure that keeps the skip's reason.
