@@ -24,8 +24,6 @@ os.environ.setdefault("JAXSPEC_PREFILL_CHUNK", "8")
 
 import pytest
 
-
-
 # The folders in the order their modules start: xdist hands whole modules to two workers in collection order, so the
 # long ones (strategies, a minute or two each) go first and the short ones fill in at the end, instead of one worker
 # finishing a long module alone while the other idles.
@@ -102,9 +100,9 @@ def compilation_cache(tmp_path_factory):
     """One persistent compilation cache for the whole run: modules drop their compiled loops (below), and a later
     module that builds the same loop again (the tiny target's plain loop, at the same shapes) loads it from disk
     instead of compiling it again."""
-    import jaxspec
-
     import jax
+
+    import jaxspec
 
     jaxspec.enable_compilation_cache(str(tmp_path_factory.mktemp("xla")))
     # Every executable, not only those that took over half a second: the tiny models' loops compile in about that.
