@@ -15,6 +15,7 @@ them (a trained set shipped for a model that has none) converts on its own.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 
@@ -116,41 +117,47 @@ def convert_mtp_layers(cfg: LlamaConfig, source: TensorSource, dtype) -> dict:
     return out
 
 
+# The inverse of a decoder block's conversion: param name -> (HF tensor name, [D]-width-aware layout change). Shared by
+# every exporter of Llama/Qwen-style blocks (trained MTP layers here, DFlash drafters in jaxspec.train).
+_HF_LAYER_TENSORS = {
+    "attn_norm": ("input_layernorm.weight", None),
+    "wq": ("self_attn.q_proj.weight", lambda w, d: w.reshape(d, -1).T),  # [D, H, Dh] -> [H*Dh, D]
+    "wk": ("self_attn.k_proj.weight", lambda w, d: w.reshape(d, -1).T),
+    "wv": ("self_attn.v_proj.weight", lambda w, d: w.reshape(d, -1).T),
+    "bq": ("self_attn.q_proj.bias", lambda w, d: np.ravel(w)),
+    "bk": ("self_attn.k_proj.bias", lambda w, d: np.ravel(w)),
+    "bv": ("self_attn.v_proj.bias", lambda w, d: np.ravel(w)),
+    "wo": ("self_attn.o_proj.weight", lambda w, d: w.reshape(-1, d).T),  # [H, Dh, D] -> [D, H*Dh]
+    "bo": ("self_attn.o_proj.bias", None),
+    "q_norm": ("self_attn.q_norm.weight", None),
+    "k_norm": ("self_attn.k_norm.weight", None),
+    "mlp_norm": ("post_attention_layernorm.weight", None),
+    "w_gate": ("mlp.gate_proj.weight", lambda w, d: w.T),
+    "w_up": ("mlp.up_proj.weight", lambda w, d: w.T),
+    "w_down": ("mlp.down_proj.weight", lambda w, d: w.T),
+    "enorm": ("enorm.weight", None),  # DeepSeek-style MTP layers' extras
+    "hnorm": ("hnorm.weight", None),
+    "eh_proj": ("eh_proj.weight", lambda w, d: w.T),
+    "out_norm": ("shared_head.norm.weight", None),
+}
+
+
+def layer_hf_tensors(layer: dict[str, Any], width: int, prefix: str) -> dict[str, np.ndarray]:
+    """One decoder block's params (a pure dict) -> HF tensors named `prefix + HF name`, in HF's layouts."""
+    out = {}
+    for param, value in layer.items():
+        name, transform = _HF_LAYER_TENSORS[param]
+        value = np.asarray(value)
+        out[prefix + name] = np.ascontiguousarray(value if transform is None else transform(value, width))
+    return out
+
+
 def mtp_hf_tensors(cfg: LlamaConfig, mtp_layers: dict, draft_vocab: np.ndarray | None = None) -> dict:
     """The inverse of `convert_mtp_layers`: `{k: {param: array}}` (and the draft vocabulary) -> HF tensor names and
     layouts, the file a trained set is shipped as."""
-    d, n = cfg.hidden_size, cfg.num_layers
-
-    def heads_in(w):  # [D, heads, Dh] -> HF [heads*Dh, D]
-        return w.reshape(d, -1).T
-
-    inverse = {
-        "attn_norm": ("input_layernorm.weight", None),
-        "wq": ("self_attn.q_proj.weight", heads_in),
-        "wk": ("self_attn.k_proj.weight", heads_in),
-        "wv": ("self_attn.v_proj.weight", heads_in),
-        "bq": ("self_attn.q_proj.bias", np.ravel),
-        "bk": ("self_attn.k_proj.bias", np.ravel),
-        "bv": ("self_attn.v_proj.bias", np.ravel),
-        "wo": ("self_attn.o_proj.weight", lambda w: w.reshape(-1, d).T),
-        "bo": ("self_attn.o_proj.bias", None),
-        "q_norm": ("self_attn.q_norm.weight", None),
-        "k_norm": ("self_attn.k_norm.weight", None),
-        "mlp_norm": ("post_attention_layernorm.weight", None),
-        "w_gate": ("mlp.gate_proj.weight", np.transpose),
-        "w_up": ("mlp.up_proj.weight", np.transpose),
-        "w_down": ("mlp.down_proj.weight", np.transpose),
-        "enorm": ("enorm.weight", None),
-        "hnorm": ("hnorm.weight", None),
-        "eh_proj": ("eh_proj.weight", np.transpose),
-        "out_norm": ("shared_head.norm.weight", None),
-    }
     out = {}
     for depth, params in mtp_layers.items():
-        for param, value in params.items():
-            name, transform = inverse[param]
-            value = np.asarray(value) if transform is None else transform(np.asarray(value))
-            out[f"model.layers.{n + int(depth)}.{name}"] = np.ascontiguousarray(value)
+        out |= layer_hf_tensors(params, cfg.hidden_size, f"model.layers.{cfg.num_layers + int(depth)}.")
     if draft_vocab is not None:
         out[DRAFT_VOCAB] = np.asarray(draft_vocab, np.int32)
     return out

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.checkpoint import atomic_folder
+from jaxspec.convert.llama import layer_hf_tensors
 from jaxspec.loading import Model, build_module
 from jaxspec.models.dflash import DFLASH, DFlashConfig, DFlashDrafter, default_target_layer_ids, layer_param_shapes
 
@@ -162,35 +163,10 @@ def with_drafter_state(drafter: Model, state) -> Model:
 def dflash_hf_tensors(cfg: DFlashConfig, params: dict[str, Any], dtype=ml_dtypes.bfloat16) -> dict[str, np.ndarray]:
     """The inverse of convert/dflash.py for z-lab's layout: the module's pure dict -> HF tensor names and layouts
     (`fc.weight` [D, n*D], `hidden_norm.weight`, `norm.weight`, `layers.{i}.*` with Qwen3's names)."""
-    d = cfg.hidden_size
-
-    def heads_in(w):  # [D, heads, Dh] -> HF [heads*Dh, D]
-        return w.reshape(d, -1).T
-
-    inverse = {
-        "attn_norm": ("input_layernorm.weight", None),
-        "wq": ("self_attn.q_proj.weight", heads_in),
-        "wk": ("self_attn.k_proj.weight", heads_in),
-        "wv": ("self_attn.v_proj.weight", heads_in),
-        "bq": ("self_attn.q_proj.bias", np.ravel),
-        "bk": ("self_attn.k_proj.bias", np.ravel),
-        "bv": ("self_attn.v_proj.bias", np.ravel),
-        "wo": ("self_attn.o_proj.weight", lambda w: w.reshape(-1, d).T),  # [H, Dh, D] -> [D, H*Dh]
-        "bo": ("self_attn.o_proj.bias", None),
-        "q_norm": ("self_attn.q_norm.weight", None),
-        "k_norm": ("self_attn.k_norm.weight", None),
-        "mlp_norm": ("post_attention_layernorm.weight", None),
-        "w_gate": ("mlp.gate_proj.weight", np.transpose),
-        "w_up": ("mlp.up_proj.weight", np.transpose),
-        "w_down": ("mlp.down_proj.weight", np.transpose),
-    }
     out = {"fc.weight": np.asarray(params["fc"]).T, "hidden_norm.weight": np.asarray(params["hidden_norm"]),
            "norm.weight": np.asarray(params["final_norm"])}
     for index, layer in params["layers"].items():
-        for name, value in layer.items():
-            hf_name, transform = inverse[name]
-            value = np.asarray(value)
-            out[f"layers.{int(index)}.{hf_name}"] = value if transform is None else transform(value)
+        out |= layer_hf_tensors(layer, cfg.hidden_size, f"layers.{int(index)}.")
     return {name: np.ascontiguousarray(value.astype(dtype)) for name, value in out.items()}
 
 
