@@ -192,5 +192,6 @@ def check_positive_int(name: str, value) -> None:
 
 def default_prefill_chunk() -> int:
     """Prompt tokens the target reads per forward: small on CPUs (compute-bound already), larger elsewhere;
-    $JAXSPEC_PREFILL_CHUNK (a power of two) overrides it, as `prefill_chunk=` does for one call."""
+    $JAXSPEC_PREFILL_CHUNK (a power of two) overrides it, as `generate_with_drafter(prefill_chunk=)` does for one
+    call."""
     return power_of_two_setting("JAXSPEC_PREFILL_CHUNK", 64 if jax.default_backend() == "cpu" else 256)
