@@ -16,6 +16,16 @@ from typing import Any
 TYPICAL_PROMPT_LEN = 40
 
 
+def default_workdir(model: str, kind: str) -> str:
+    """Where a training run of `kind` ("mtp", "dflash") for `model` (a catalogue name or a folder) keeps its data
+    and checkpoints unless --workdir says otherwise, created if missing."""
+    from jaxspec import catalog
+
+    workdir = os.path.join(catalog.cache_root(), "train", f"{os.path.basename(os.path.normpath(model))}-{kind}")
+    os.makedirs(workdir, exist_ok=True)
+    return workdir
+
+
 def add_data_flags(p: argparse.ArgumentParser, *, stdlib_windows: int, heldout_prompts: int = 64) -> None:
     """The flags of the data recipe: prompts the target answers, held-out prompts, standard-library windows."""
     p.add_argument("--train-prompts", type=int, default=2560, help="training prompts the target answers")

@@ -36,8 +36,8 @@ import os
 import sys
 import time
 
-from .train_common import (add_data_flags, check_data_flags, data_folder, data_recipe, generation_seconds,
-                           generation_step_seconds, peak_memory_gb, timed)
+from .train_common import (add_data_flags, check_data_flags, data_folder, data_recipe, default_workdir,
+                           generation_seconds, generation_step_seconds, peak_memory_gb, timed)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -99,13 +99,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import jaxspec
-    from jaxspec import catalog
     from jaxspec.assets import strip_mtp
     from jaxspec.train import DFlashTrainConfig, OptimConfig, data, dflash_data, new_dflash_drafter, train_dflash
     from jaxspec.train.dflash_loop import plot_dflash_history
 
-    workdir = args.workdir or os.path.join(catalog.cache_root(), "train",
-                                           f"{os.path.basename(os.path.normpath(args.model))}-dflash")
+    workdir = args.workdir or default_workdir(args.model, "dflash")
     os.makedirs(workdir, exist_ok=True)
     model = strip_mtp(jaxspec.load(args.model, progress=True))  # the target alone (a catalogue model has MTP layers)
     if model.tokenizer is None:

@@ -31,8 +31,8 @@ import os
 import sys
 import time
 
-from .train_common import (add_data_flags, check_data_flags, data_folder, data_recipe, generation_seconds,
-                           generation_step_seconds)
+from .train_common import (add_data_flags, check_data_flags, data_folder, data_recipe, default_workdir,
+                           generation_seconds, generation_step_seconds)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -76,12 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import jaxspec
-    from jaxspec import catalog
     from jaxspec.assets import strip_mtp
     from jaxspec.train import OptimConfig, TrainConfig, attach_mtp_layers, data, plot_history, save_mtp_asset, train
 
-    workdir = args.workdir or os.path.join(catalog.cache_root(), "train",
-                                           f"{os.path.basename(os.path.normpath(args.model))}-mtp")
+    workdir = args.workdir or default_workdir(args.model, "mtp")
     os.makedirs(workdir, exist_ok=True)
     model = jaxspec.load(args.model, progress=True)
     if args.layers is not None:

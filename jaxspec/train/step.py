@@ -60,6 +60,14 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     )
 
 
+def descend(optimizer: optax.GradientTransformation, loss_fn, trainable, opt_state):
+    """One optimizer step on `loss_fn(trainable) -> (loss, metrics)`: (trainable, opt_state, metrics + grad_norm)."""
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+    updates, opt_state = optimizer.update(grads, opt_state, trainable)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    return optax.apply_updates(trainable, updates), opt_state, metrics
+
+
 @functools.lru_cache(maxsize=8)
 def make_train_step(graphdef, optim: OptimConfig, depths: int, draft_vocab: bool):
     """`step(trainable, opt_state, frozen, tokens, lengths, hidden, lse) -> (trainable, opt_state, metrics)`,
@@ -72,10 +80,7 @@ def make_train_step(graphdef, optim: OptimConfig, depths: int, draft_vocab: bool
             module = nnx.merge(graphdef, trainable, frozen)
             return distillation_loss(module, tokens, lengths, hidden, lse, depths, draft_vocab)
 
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        return optax.apply_updates(trainable, updates), opt_state, metrics
+        return descend(optimizer, loss_fn, trainable, opt_state)
 
     return step
 
@@ -125,10 +130,7 @@ def make_block_train_step(graphdef, target_graphdef, optim: OptimConfig, loss_de
             drafter = nnx.merge(graphdef, trainable)
             return block_loss(drafter, target, tokens, lengths, features, hidden, anchors, valid, loss_decay)
 
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        return optax.apply_updates(trainable, updates), opt_state, metrics
+        return descend(optimizer, loss_fn, trainable, opt_state)
 
     return step
 
