@@ -4,9 +4,11 @@ weight-share estimates used where nothing is measured.
 The adaptive schedule (jaxspec/schedule.py) drafts the length that maximises expected tokens per cost, so it is only
 as good as its costs: a verify block of W tokens, in plain decoding steps, and one assistant forward, in target
 steps. Both depend on the machine far more than on the model (memory bandwidth moves them from day to day on the
-same machine), so `generate` measures them, once per architecture and machine, and keeps them in `step_costs.json`
-in the jaxspec cache folder (`$JAXSPEC_CACHE`, else ~/.cache/jaxspec), in milliseconds, keyed by machine, backend,
-model shape, model code and width. Costs depend on shapes, not weights, so a model of the same architecture reuses
+same machine), so `generate` measures them, once per architecture, machine and batch size bucket, and keeps them in
+`step_costs.json` in the jaxspec cache folder (`$JAXSPEC_CACHE`, else ~/.cache/jaxspec), in milliseconds, keyed by
+machine, backend, model shape, model code, batch and width. A verify block is priced at the batch it runs: on a CPU
+a [8, 4] block costs far more plain steps than a [1, 4] block (eight rows already fill the matrix units a single
+row leaves idle), so figures measured at batch 1 would make a batch draft where it does not pay. Costs depend on shapes, not weights, so a model of the same architecture reuses
 them. A measurement compiles one forward loop per measured width and runs it a few times.
 
 `JAXSPEC_STEP_COSTS` chooses: `measure` (the default), `default` (the fixed figures of
@@ -43,6 +45,7 @@ CACHE_SIZE = 512  # positions of the cache the timed forwards write (decoding si
 START_POSITION = 200  # where the timed forwards start: attention reads a realistic prefix
 STEPS = 4  # forwards per timed loop
 RUNS = 3  # timed runs per loop; the fastest counts (the others met a busier machine)
+MAX_COST_BATCH = 64  # larger batches are priced with costs measured at this many rows
 
 
 def mode() -> str:
@@ -61,28 +64,36 @@ def measurable(*models: Model) -> bool:
     return all(len(leaf.devices()) == 1 for leaf in leaves)
 
 
-def forward_milliseconds(model: Model, widths: tuple[int, ...], *, verifying: bool = True,
+def forward_milliseconds(model: Model, widths: tuple[int, ...], *, batch: int = 1, verifying: bool = True,
                          remeasure: bool = False) -> dict[int, float]:
-    """Milliseconds of one `model` forward at batch 1 for each width, from the cache file or measured now.
+    """Milliseconds of one `model` forward of `batch` rows for each width, from the cache file or measured now.
 
     `verifying`: time the forward as verification runs it (with the CPU verify head of jaxspec/head.py where the
     loop uses one), else as a drafting assistant runs it (its own head)."""
     prefix = _key_prefix(model, verifying)
-    keys = {w: f"{prefix}|{w}" for w in widths}
+    shape = "" if batch == 1 else f"{batch}x"  # batch 1 keeps the keys it always had
+    keys = {w: f"{prefix}|{shape}{w}" for w in widths}
     stored = {} if remeasure else _read_cache()
     missing = [w for w in widths if keys[w] not in stored]
     if missing:
         # Rounded as stored, so this call prices the schedule exactly as later ones that read the file (the same
         # costs, the same compiled loop).
-        measured = {keys[w]: round(ms, 4) for w, ms in _measure(model, tuple(missing), verifying).items()}
+        measured = {keys[w]: round(ms, 4) for w, ms in _measure(model, tuple(missing), verifying, batch).items()}
         _write_cache(measured)
         stored = stored | measured
     return {w: float(stored[keys[w]]) for w in widths}
 
 
-def price_schedule(drafter, target: Model, assistant: Model | None):
-    """`drafter` with its adaptive schedule priced by measured step costs: each verify width's forward over a plain
-    step's, and, for an assistant that drafts one token per forward, its forward over the target's. Drafters whose
+def cost_batch(batch: int) -> int:
+    """The batch size costs are measured at for a call of `batch` rows: the next power of two, so that nearby batch
+    sizes share one measurement (relative costs change slowly with the batch), at most MAX_COST_BATCH."""
+    return min(1 << (batch - 1).bit_length(), MAX_COST_BATCH)
+
+
+def price_schedule(drafter, target: Model, assistant: Model | None, batch: int = 1):
+    """`drafter` with its adaptive schedule priced by step costs measured at the call's batch (`cost_batch`): each
+    verify width's forward over a plain step's, and, for an assistant that drafts one token per forward, its forward
+    over the target's. Drafters whose
     drafts are part of the target's own network (early exit, MTP) keep their draft cost, a share of the target's
     weights; copied drafts (prompt lookup) cost nothing. Unchanged where the schedule is not adaptive, where
     `JAXSPEC_STEP_COSTS=default`, and for sharded or multi-process runs."""
@@ -95,11 +106,15 @@ def price_schedule(drafter, target: Model, assistant: Model | None):
         return drafter
     remeasure = chosen == "remeasure"
     measured = tuple(sorted({1, 2, max(schedule.widths)}))  # widths always hold 1 and K + 1 >= 2
-    target_ms = forward_milliseconds(target, measured, remeasure=remeasure)
-    verify_costs = tuple(round(interpolate(target_ms, w) / target_ms[1], 2) for w in schedule.widths)
+    rows = cost_batch(batch)
+    target_ms = forward_milliseconds(target, measured, batch=rows, remeasure=remeasure)
+    # A wider block holds a narrower one's work and more, so it never costs less: a measurement that says otherwise
+    # met a busier machine for the narrower block, and is raised to it rather than stored as a bargain.
+    relative = np.maximum.accumulate([interpolate(target_ms, w) / target_ms[1] for w in schedule.widths])
+    verify_costs = tuple(round(float(cost), 2) for cost in relative)
     draft_cost = schedule.draft_cost
     if drafter.drafts_with_assistant_forwards and assistant is not target:
-        assistant_ms = forward_milliseconds(assistant, (1,), verifying=False, remeasure=remeasure)[1]
+        assistant_ms = forward_milliseconds(assistant, (1,), batch=rows, verifying=False, remeasure=remeasure)[1]
         draft_cost = round(assistant_ms / target_ms[1], 3)
     priced = dataclasses.replace(schedule, verify_costs=verify_costs, draft_cost=draft_cost)
     return dataclasses.replace(drafter, schedule=priced)
@@ -144,14 +159,14 @@ def _source_hash(folder: str) -> str:
     return digest.hexdigest()[:12]
 
 
-def _measure(model: Model, widths: tuple[int, ...], verifying: bool) -> dict[int, float]:
+def _measure(model: Model, widths: tuple[int, ...], verifying: bool, batch: int) -> dict[int, float]:
     head = verify_head(model, nnx.split(model.module)[1], None) if verifying else None
-    return time_forwards(model, widths, head)
+    return time_forwards(model, widths, head, batch=batch)
 
 
 def time_forwards(model: Model, widths: tuple[int, ...], head=None, steps: int = STEPS, runs: int = RUNS,
-                  cache_size: int = CACHE_SIZE) -> dict[int, float]:
-    """Milliseconds per forward of `model` at batch 1 for each width, with `head` ([D, V], or None: the model's own):
+                  cache_size: int = CACHE_SIZE, batch: int = 1) -> dict[int, float]:
+    """Milliseconds per forward of `model` over `batch` rows for each width, with `head` ([D, V], or None: the model's own):
     the best of `runs` timed runs of one compiled loop of `steps` forwards that writes a `cache_size` cache in place
     from position START_POSITION on, as decoding does (the cache is donated). Timing single calls instead would add
     a copy of the whole cache and a dispatch to every width, which hides most of the difference between widths."""
@@ -162,8 +177,8 @@ def time_forwards(model: Model, widths: tuple[int, ...], head=None, steps: int =
 
         def step(i, carry):
             cache, checksum = carry
-            tokens = jnp.ones((1, width), jnp.int32)
-            positions = START_POSITION + i * width + jnp.arange(width)[None]  # [1, W]
+            tokens = jnp.ones((batch, width), jnp.int32)
+            positions = jnp.broadcast_to(START_POSITION + i * width + jnp.arange(width), (batch, width))  # [B, W]
             logits, _, cache = module(tokens, positions, cache, head=head)
             return cache, checksum + logits[0, 0, 0]  # a result that depends on every step
 
@@ -172,7 +187,7 @@ def time_forwards(model: Model, widths: tuple[int, ...], head=None, steps: int =
     run = jax.jit(loop, static_argnums=3, donate_argnums=2)
     milliseconds = {}
     for width in widths:
-        cache, checksum = run(state, head, model.module.init_cache(1, cache_size), width)  # compiles
+        cache, checksum = run(state, head, model.module.init_cache(batch, cache_size), width)  # compiles
         jax.block_until_ready(checksum)
         best = float("inf")
         for _ in range(runs):

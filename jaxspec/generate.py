@@ -134,7 +134,7 @@ def generate_with_drafter(
     check_budget(model, prompts.rows, settings.max_new_tokens)
     pricing_started = time.perf_counter()
     if mesh is None:  # a sharded run keeps the fixed costs (jaxspec/costs.py)
-        drafter = price_schedule(drafter, model, assistant)
+        drafter = price_schedule(drafter, model, assistant, batch=prompts.size)
     pricing_seconds = time.perf_counter() - pricing_started  # measuring step costs compiles too
     call = _lay_out(model, assistant, prompts, drafter, settings, mesh=mesh, rules=sharding_rules or ShardingRules(),
                     chunk=prefill_chunk or default_prefill_chunk(), ensemble_weight=ensemble_weight,

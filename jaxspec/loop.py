@@ -238,6 +238,7 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
         drafted=c.drafted + jnp.where(active, count, 0),
         accepted=c.accepted + jnp.where(active, n, 0),
         accepted_hist=c.accepted_hist + (active[:, None] & (jnp.arange(k + 1)[None, :] == n[:, None])),
+        priced_steps=c.priced_steps + _priced_round(drafter, count),
     )
     return dataclasses.replace(state, tokens=tokens, lengths=lengths, done=done, cache=cache, drafter=drafter_state,
                                rng=rng, counters=counters, scores=scores)
@@ -297,6 +298,21 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftS
     # The cache is the only state the branches update (in place: see jaxspec.inplace).
     cache, checked = inplace.cond(jnp.max(count) > 0, drafted_step, plain_step, step.target_cache)
     return checked, cache
+
+
+def _priced_round(drafter: Drafter, count) -> jax.Array:
+    """[] what the adaptive schedule's cost model says this round cost, in plain steps, priced as the schedule
+    prices a choice: the verify block of the width the round ran (`_verify_round`: the narrowest holding the
+    longest draft), `draft_cost` per draft of the longest row, and the fixed cost of a drafting round. 0 for
+    schedules that are not priced. Costs the model does not hold (catch-up blocks, a drafter's work in rounds without
+    drafts, the round's own overhead) are what sets it apart from the measured speedup."""
+    schedule = getattr(drafter, "schedule", None)
+    if schedule is None or not schedule.verify_costs:
+        return jnp.zeros((), jnp.float32)
+    drafts = jnp.max(count)
+    width_index = jnp.searchsorted(jnp.asarray(schedule.widths), drafts + 1)
+    return (jnp.asarray(schedule.verify_costs, jnp.float32)[width_index] + schedule.draft_cost * drafts
+            + schedule.round_cost * (drafts > 0))
 
 
 def _maybe(fn, x):

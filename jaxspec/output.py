@@ -18,6 +18,8 @@ class GenerateOutput:
     drafted: np.ndarray  # [B]
     accepted: np.ndarray  # [B]
     accepted_hist: np.ndarray  # [B, K+1]: rounds in which a row accepted exactly i drafts
+    # The rounds' price in plain decoding steps by the adaptive schedule's cost model (0: nothing priced them).
+    priced_steps: float
     compile_seconds: float  # the loop's compiles, and the adaptive schedule's step costs when measured (costs.py)
     decode_seconds: float  # prefill + rounds, compile excluded
     prefill_seconds: float = float("nan")
@@ -46,6 +48,15 @@ class GenerateOutput:
         return float(self.num_new_tokens.sum() - first_tokens) / row_rounds if row_rounds else float("nan")
 
     @property
+    def modelled_speedup(self) -> float:
+        """The speedup over plain decoding that the adaptive schedule's cost model gives for the rounds this call
+        ran: plain decoding would need one step per new token after the first (the prefill picks it) for the longest
+        row; the rounds cost `priced_steps` (nan where the schedule is not priced). Compared with a measured
+        speedup, it says whether the cost model holds every cost that decoding pays."""
+        steps = int(self.num_new_tokens.max()) - 1
+        return steps / self.priced_steps if self.priced_steps > 0 else float("nan")
+
+    @property
     def tokens_per_second(self) -> float:
         return float(self.num_new_tokens.sum()) / self.decode_seconds if self.decode_seconds else float("nan")
 
@@ -61,6 +72,8 @@ class GenerateOutput:
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "accepted_length_histogram": self.accepted_hist.sum(0).tolist(),
+            "priced_steps": self.priced_steps,
+            "modelled_speedup": self.modelled_speedup,
             "compile_seconds": self.compile_seconds,
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
@@ -106,6 +119,7 @@ def unpack(final: FinalState, given: np.ndarray, prompt_lengths: np.ndarray, pad
         drafted=np.asarray(counters.drafted),
         accepted=np.asarray(counters.accepted),
         accepted_hist=np.asarray(counters.accepted_hist),
+        priced_steps=float(counters.priced_steps),
         compile_seconds=timings.compile_seconds,
         decode_seconds=timings.decode_seconds,
         prefill_seconds=timings.prefill_seconds,

@@ -59,13 +59,18 @@ class Schedule:
     """How a row's draft length follows what verification accepted.
 
     - "adaptive" (jaxspec's default for every drafter): each row keeps a decayed estimate of the probability that a
-      draft is accepted (its `accepted` / `judged` counts, with a prior). Each round it drafts the number of tokens
-      that maximises expected tokens per cost: a block of d drafts commits (1 - a^(d+1)) / (1 - a) tokens on average
-      and costs `verify_costs` of its width plus `draft_cost` per draft (drafting-model steps, in target steps). When
-      no length beats a plain step, the row does not draft, except for a one-draft probe after 1, 2, 4, ... up to
+      draft is accepted (its `accepted` / `judged` counts, with a prior). A round's verify block is one forward for
+      the whole batch, as wide as its longest draft, so the batch decides together: each round it drafts the
+      length with the most expected tokens per cost summed over its running rows. A block of d drafts commits
+      (1 - a^(d+1)) / (1 - a) tokens on average for a row of acceptance a, and costs `verify_costs` of its width
+      (measured at the batch it runs: a [8, 4] block does not cost what a [1, 4] block costs) plus `draft_cost` per
+      draft (drafting-model steps, in target steps). Every row then drafts that length (a width already paid
+      verifies a row's extra drafts for nothing). When no length beats a plain step, the batch does not draft,
+      except for a one-draft probe whenever a row's cooldown is over; the cooldown follows 1, 2, 4, ... up to
       MAX_COOLDOWN rounds (doubling while probes miss; `probe_spacing` times longer for drafters whose probe costs
-      more), so that text which starts to repeat is noticed. On text the drafter cannot predict, drafting therefore
-      costs one cheap probe every ~33 rounds; on text it predicts, rows draft the length that pays best.
+      more), so that text which starts to repeat is noticed. Rows probe together, so their cooldowns stay in step
+      and a batch probes no more often than one row would. On text the drafter cannot predict, drafting therefore
+      costs one cheap probe every ~33 rounds; on text it predicts, the batch drafts the length that pays best.
     - "constant": always K (HF's default for assistants, and what HF's prompt lookup does).
     - "heuristic" / "heuristic_transient": HF's rule, +2 after a round in which every draft was accepted (a round
       without drafts counts, as in HF), else -1, never below 1, capped by K.
@@ -109,26 +114,40 @@ class Schedule:
         """[B] each row's estimated probability that a draft is accepted."""
         return state.accepted / state.judged
 
-    def allowed(self, state: DraftLength) -> jax.Array:
-        """[B] how many drafts each row may propose this round."""
+    def allowed(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
+        """[B] how many drafts each row may propose this round. `active`: [B] bool, the rows still decoding (all
+        when None); the batch's choice prices their expected tokens only."""
         if self.kind != "adaptive" or not self.widths:
             return state.num_tokens
-        best = self.paying_length(state)
-        return jnp.where(best > 0, best, jnp.where(state.cooldown == 0, 1, 0))  # else a one-draft probe, at times
+        active = _all_rows(state) if active is None else active
+        best = self.paying_length(state, active)
+        # Nothing pays: a one-draft probe for the whole batch when some row's cooldown is over.
+        probe = jnp.any(active & (state.cooldown == 0)).astype(jnp.int32)
+        return jnp.broadcast_to(jnp.where(best > 0, best, probe), state.num_tokens.shape).astype(jnp.int32)
 
-    def probing(self, state: DraftLength) -> jax.Array:
-        """[B] bool: the row drafts this round only as a probe (adaptive: drafting does not pay, cooldown over)."""
+    def probing(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
+        """[] bool: the batch drafts this round only as a probe (adaptive: drafting does not pay, a cooldown is
+        over)."""
         if self.kind != "adaptive" or not self.widths:
-            return jnp.zeros(state.num_tokens.shape, bool)
-        return (self.paying_length(state) == 0) & (state.cooldown == 0)
+            return jnp.zeros((), bool)
+        active = _all_rows(state) if active is None else active
+        return (self.paying_length(state, active) == 0) & jnp.any(active & (state.cooldown == 0))
 
-    def paying_length(self, state: DraftLength) -> jax.Array:
-        """[B] the draft length with the most expected tokens per cost (adaptive); 0 when drafting does not pay."""
+    def paying_length(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
+        """[] the draft length with the most expected tokens per cost over the batch's `active` rows (adaptive); 0
+        when drafting does not pay."""
+        active = _all_rows(state) if active is None else active
         drafts = jnp.asarray(self.widths, jnp.float32) - 1  # [N] the drafts each width holds
         rate = jnp.clip(self.acceptance(state), 0.0, 0.999)[:, None]  # [B, 1]
-        expected = (1 - rate ** (drafts + 1)) / (1 - rate)  # [B, N] tokens a round commits
-        cost = jnp.asarray(self.verify_costs, jnp.float32) + self.draft_cost * drafts + self.round_cost * (drafts > 0)
-        return jnp.asarray(self.widths)[jnp.argmax(expected / cost, axis=-1)] - 1
+        expected = (1 - rate ** (drafts + 1)) / (1 - rate)  # [B, N] tokens a round commits to each row
+        tokens = jnp.sum(jnp.where(active[:, None], expected, 0.0), axis=0)  # [N] over the batch
+        return jnp.asarray(self.widths)[jnp.argmax(tokens / self.round_costs())] - 1
+
+    def round_costs(self) -> jax.Array:
+        """[N] the cost of a round at each verify width, in plain steps: its verify block, a draft per token it
+        holds, and the fixed cost of a drafting round."""
+        drafts = jnp.asarray(self.widths, jnp.float32) - 1
+        return jnp.asarray(self.verify_costs, jnp.float32) + self.draft_cost * drafts + self.round_cost * (drafts > 0)
 
     def update(self, state: DraftLength, result: RoundResult, cap: int) -> DraftLength:
         """`cap`: K, the static size of the draft buffer."""
@@ -144,14 +163,19 @@ class Schedule:
         judged = result.accepted + (result.accepted < result.drafted)  # the accepted ones, then the rejected one
         accepted = jnp.where(tried, self.DECAY * state.accepted + result.accepted, state.accepted)
         judged = jnp.where(tried, self.DECAY * state.judged + judged, state.judged)
-        probed = tried & (result.drafted == 1) & (state.cooldown == 0)  # only a probe can draft one while idle
-        missed = probed & (result.accepted == 0)
+        # The round's choice, made from this same state: a round that drafted only because nothing paid was a probe,
+        # for every row that drafted in it, so that the rows' cooldowns stay in step.
+        probe_round = self.paying_length(state, active) == 0
+        missed = tried & probe_round & (result.accepted == 0)
         misses = jnp.where(missed, state.misses + 1, jnp.where(tried & (result.accepted > 0), 0, state.misses))
         backoff = jnp.minimum(jnp.left_shift(1, jnp.clip(misses - 1, 0, 8)), MAX_COOLDOWN) * self.probe_spacing
-        cooldown = jnp.where(missed, backoff,
-                             jnp.where(active & ~tried, jnp.maximum(state.cooldown - 1, 0), state.cooldown))
+        cooldown = jnp.where(missed, backoff, jnp.where(active, jnp.maximum(state.cooldown - 1, 0), state.cooldown))
         num_tokens = jnp.where(tried, result.drafted, state.num_tokens)
         return DraftLength(num_tokens=num_tokens, misses=misses, cooldown=cooldown, accepted=accepted, judged=judged)
+
+
+def _all_rows(state: DraftLength) -> jax.Array:
+    return jnp.ones(state.num_tokens.shape, bool)
 
 
 def make_schedule(kind: str, initial: int, max_draft: int, draft_cost: float, round_cost: float = 0.0) -> Schedule:

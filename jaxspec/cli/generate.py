@@ -253,6 +253,8 @@ def print_report(out, report: dict, text: str, streamed: bool, load_seconds: flo
         print(f"second calls: {out.strategy} {report['strategy_tokens_per_second_warm']:.1f} tok/s, plain "
               f"{report['plain_tokens_per_second']:.1f} tok/s -> speedup {report['speedup_over_plain']:.2f}x, "
               f"identical tokens: {'n/a (sampling)' if same is None else same}")
+        if out.priced_steps:  # the adaptive schedule's cost model, beside what was measured
+            print(f"the schedule's cost model expected {out.modelled_speedup:.2f}x for these rounds")
 
 
 if __name__ == "__main__":

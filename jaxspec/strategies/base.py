@@ -51,6 +51,9 @@ class Counters:
     drafted: jax.Array  # [B] valid draft tokens proposed to each row
     accepted: jax.Array  # [B] draft tokens the target accepted
     accepted_hist: jax.Array  # [B, K+1] rounds in which a row accepted exactly i drafts
+    # [] float32: the rounds' price in plain decoding steps by the adaptive schedule's cost model (its verify width's
+    # cost, its drafter forwards, its fixed cost); 0 where the schedule prices nothing
+    priced_steps: jax.Array
 
     @staticmethod
     def zeros(batch: int, max_draft: int) -> "Counters":
@@ -61,6 +64,7 @@ class Counters:
             drafted=jnp.zeros((batch,), jnp.int32),
             accepted=jnp.zeros((batch,), jnp.int32),
             accepted_hist=jnp.zeros((batch, max_draft + 1), jnp.int32),
+            priced_steps=jnp.zeros((), jnp.float32),
         )
 
 

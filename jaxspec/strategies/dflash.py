@@ -66,7 +66,7 @@ class BlockDrafter(Drafter):
         return dataclasses.replace(state, cache=self._write(ctx, chunk.features, positions, state.cache))
 
     def draft(self, ctx: Context, loop: DecodeState, state: BlockState, rng: jax.Array) -> DraftStep:
-        limit = jnp.minimum(self.schedule.allowed(state.length), room_for_drafts(loop))  # [B]
+        limit = jnp.minimum(self.schedule.allowed(state.length, ~loop.done), room_for_drafts(loop))  # [B]
 
         def run(_):
             return self._draft_block(ctx, loop, state.cache, limit, rng), jnp.ones((), jnp.int32)

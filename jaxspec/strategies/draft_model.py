@@ -83,7 +83,7 @@ class AutoregressiveDrafter(Drafter):
 
     def draft_limit(self, loop: DecodeState, length: DraftLength) -> jax.Array:
         """[B] drafts each row may propose this round: its schedule's length, within its budget."""
-        return jnp.minimum(self.schedule.allowed(length), room_for_drafts(loop))
+        return jnp.minimum(self.schedule.allowed(length, ~loop.done), room_for_drafts(loop))
 
     def draft_loop(self, ctx: Context, loop: DecodeState, limit, first_logits, feed: Feed, carry, rng):
         """Draft from `first_logits` ([B, V], predicting position L), feeding each draft back through `feed`.
@@ -147,7 +147,8 @@ class AutoregressiveDrafter(Drafter):
             # A row that meant to draft but doubted its first token proposed nothing, yet paid a drafting step: the
             # schedule counts it as one rejected draft (for an idle row, a missed probe), or a drafter that keeps
             # doubting would run every round and learn nothing.
-            doubted = (self.schedule.allowed(length) > 0) & (result.drafted == 0) & (result.committed > 0)
+            running = result.committed > 0
+            doubted = (self.schedule.allowed(length, running) > 0) & (result.drafted == 0) & running
             result = dataclasses.replace(result, drafted=jnp.where(doubted, 1, result.drafted))
         return self.schedule.update(length, result, self.max_draft)
 

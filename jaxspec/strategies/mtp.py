@@ -99,7 +99,8 @@ class MtpDrafter(Drafter):
         target, k = ctx.target, self.max_draft
         batch, size = loop.tokens.shape
         rows = jnp.arange(batch)
-        count = jnp.minimum(self.schedule.allowed(state.length), room_for_drafts(loop)).astype(jnp.int32)  # [B]
+        allowed = self.schedule.allowed(state.length, ~loop.done)
+        count = jnp.minimum(allowed, room_for_drafts(loop)).astype(jnp.int32)  # [B]
         depths_needed = jnp.max(count)
         window = loop.lengths[:, None] - 1 - k + jnp.arange(k + 1)[None, :]  # [B, K+1] depth 0's positions
         # Tokens at positions L-1-K .. L-1+K: committed ones from the buffer, then the drafts as they come.

@@ -72,7 +72,7 @@ class PromptLookupDrafter(Drafter):
         valid &= jnp.cumsum(ctx.is_eos(tokens), axis=1) == 0  # stop before an EOS
         count = jnp.sum(jnp.cumprod(valid, axis=1), axis=1).astype(jnp.int32)
         # Drafts past the row's budget could never be committed: do not pay to verify them.
-        count = jnp.minimum(count, jnp.minimum(self.schedule.allowed(state), room_for_drafts(loop)))
+        count = jnp.minimum(count, jnp.minimum(self.schedule.allowed(state, ~loop.done), room_for_drafts(loop)))
         return DraftStep(draft=Draft(tokens=tokens, count=count), state=state, forwards=jnp.zeros((), jnp.int32),
                          target_cache=loop.cache)
 

@@ -55,7 +55,7 @@ def test_remeasure_overwrites_and_widths_between_are_interpolated(measuring, pai
     costs.price_schedule(choice.drafter, target, choice.assistant)  # stored
     timed = {True: {1: 10.0, 2: 16.0, 5: 22.0}, False: {1: 4.0}}  # target (verifying), assistant (drafting)
     monkeypatch.setattr(costs, "time_forwards",
-                        lambda model, widths, head=None: {w: timed[model is target][w] for w in widths})
+                        lambda model, widths, head=None, batch=1: {w: timed[model is target][w] for w in widths})
     monkeypatch.setenv("JAXSPEC_STEP_COSTS", "remeasure")
     schedule = costs.price_schedule(choice.drafter, target, choice.assistant).schedule
     # Width 4 lies two thirds of the way from 2 to 5: 16 + (22 - 16) * 2 / 3 = 20 ms.
@@ -65,9 +65,40 @@ def test_remeasure_overwrites_and_widths_between_are_interpolated(measuring, pai
     assert costs.price_schedule(choice.drafter, target, choice.assistant).schedule == schedule
 
 
+def test_costs_are_measured_at_the_batch_that_decodes(measuring, pair, monkeypatch):
+    """A verify block is priced at the call's batch (rounded up to a power of two): a [8, W] block costs more plain
+    steps than a [1, W] one on a CPU, and batch-1 figures would make a batch draft where it does not pay."""
+    target, assistant = pair
+    seen = []
+
+    def timed(model, widths, head=None, batch=1):
+        seen.append(batch)
+        return {w: 10.0 + (w - 1) * (1.0 if batch == 1 else 8.0) for w in widths}
+
+    monkeypatch.setattr(costs, "time_forwards", timed)
+    lookup = choose_strategy(target, DraftingConfig(prompt_lookup_num_tokens=4), do_sample=False).drafter
+    alone = costs.price_schedule(lookup, target, None, batch=1).schedule
+    batched = costs.price_schedule(lookup, target, None, batch=5).schedule
+    assert seen == [1, 8] and costs.cost_batch(5) == 8 and costs.cost_batch(1000) == costs.MAX_COST_BATCH
+    assert alone.verify_costs == (1.0, 1.1, 1.3, 1.4) and batched.verify_costs == (1.0, 1.8, 3.4, 4.2)
+    stored = json.loads((measuring / costs.CACHE_FILE).read_text())
+    assert sorted(key.rsplit("|", 1)[1] for key in stored) == ["1", "2", "5", "8x1", "8x2", "8x5"]
+    assert costs.price_schedule(lookup, target, None, batch=7).schedule == batched and seen == [1, 8]  # stored
+
+
+def test_a_wider_block_is_never_priced_below_a_narrower_one(measuring, pair, monkeypatch):
+    """A busy machine can time a narrow block slower than a wide one; the wide one holds the narrow one's work, so
+    its price is raised to it (a stored bargain would make every later call draft where it does not pay)."""
+    target, _ = pair
+    monkeypatch.setattr(costs, "time_forwards",
+                        lambda model, widths, head=None, batch=1: {w: {1: 10.0, 2: 16.0, 5: 9.0}[w] for w in widths})
+    lookup = choose_strategy(target, DraftingConfig(prompt_lookup_num_tokens=4), do_sample=False).drafter
+    assert costs.price_schedule(lookup, target, None).schedule.verify_costs == (1.0, 1.6, 1.6, 1.6)
+
+
 def test_what_measurement_leaves_alone(measuring, pair, monkeypatch):
     target, assistant = pair
-    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, head=None: {w: 10.0 + w for w in widths})
+    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, head=None, batch=1: {w: 10.0 + w for w in widths})
     lookup = choose_strategy(target, DraftingConfig(prompt_lookup_num_tokens=4), do_sample=False).drafter
     priced = costs.price_schedule(lookup, target, None).schedule
     assert priced.draft_cost == 0.0 and priced.verify_costs == (1.0, 1.09, 1.27, 1.36)  # copied drafts cost nothing
@@ -95,3 +126,34 @@ def test_a_misspelt_mode_is_named_before_anything_compiles(measuring, pair, monk
     monkeypatch.setattr(costs, "time_forwards", lambda *args, **kwargs: pytest.fail("timed with a bad mode"))
     with pytest.raises(ValueError, match="JAXSPEC_STEP_COSTS='measured' is not one of measure, default"):
         jaxspec.generate(target, np.array([[5, 17, 29]], np.int32), max_new_tokens=4, assistant_model=assistant)
+
+
+def test_the_cost_model_prices_each_round_as_the_schedule_does():
+    """The loop adds each round's price by the schedule's own cost model: the verify width the round ran (the
+    narrowest holding its longest draft), a draft cost per draft of that row and the round's fixed cost."""
+    from jaxspec.loop import _priced_round
+    from jaxspec.schedule import Schedule
+    from jaxspec.strategies.prompt_lookup import PromptLookupDrafter
+
+    schedule = Schedule("adaptive", widths=(1, 2, 4, 5), verify_costs=(1.0, 1.2, 1.3, 1.35), draft_cost=0.1,
+                        round_cost=0.05)
+    drafter = PromptLookupDrafter(max_draft=4, schedule=schedule)
+    priced = {tuple(count): float(_priced_round(drafter, np.array(count))) for count in ([0, 0], [1, 0], [3, 1],
+                                                                                       [0, 4])}
+    assert priced == pytest.approx({(0, 0): 1.0, (1, 0): 1.2 + 0.1 + 0.05, (3, 1): 1.3 + 0.3 + 0.05,
+                                    (0, 4): 1.35 + 0.4 + 0.05})
+    unpriced = PromptLookupDrafter(max_draft=4, schedule=Schedule("constant"))
+    assert float(_priced_round(unpriced, np.array([3, 1]))) == 0.0
+
+
+def test_generate_reports_the_speedup_its_cost_model_expected(pair):
+    """`modelled_speedup`: plain steps the longest row needed over the priced rounds; nan where nothing is priced."""
+    target, _ = pair
+    ids = [[5, 17, 29, 5, 17, 29, 5, 17, 29]]
+    out = jaxspec.generate(target, ids, max_new_tokens=16, prompt_lookup_num_tokens=4)
+    assert out.rounds <= out.priced_steps <= out.rounds * 1.35
+    assert out.modelled_speedup == pytest.approx((int(out.num_new_tokens.max()) - 1) / out.priced_steps)
+    assert out.counters()["modelled_speedup"] == out.modelled_speedup
+    constant = jaxspec.generate(target, ids, max_new_tokens=16, prompt_lookup_num_tokens=4,
+                                num_assistant_tokens_schedule="constant")
+    assert constant.priced_steps == 0 and np.isnan(constant.modelled_speedup)

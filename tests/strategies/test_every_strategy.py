@@ -66,3 +66,39 @@ def test_a_2x2_mesh_equals_one_device(folders, name):
     sharded = jaxspec.generate(target, rows, max_new_tokens=N, mesh=mesh, **kwargs)
     np.testing.assert_array_equal(sharded.sequences, single.sequences)
     np.testing.assert_array_equal(sharded.accepted_hist, single.accepted_hist)  # the same rounds, not just output
+
+
+def mixed_rows(batch: int) -> list[list[int]]:
+    """`batch` ragged prompts, alternately copy-heavy (a phrase repeated, so prompt lookup finds matches) and free
+    (distinct ids, nothing to copy), of 4 to 14 tokens."""
+    rng = np.random.default_rng(batch)
+    rows = []
+    for b in range(batch):
+        if b % 2 == 0:
+            phrase = rng.integers(3, 90, size=2 + b % 3).tolist()
+            rows.append((phrase * 7)[: 6 + b % 9])
+        else:
+            rows.append(rng.permutation(np.arange(3, 90))[: 4 + b % 11].tolist())
+    return rows
+
+
+# Batch 8 and 32 for prompt lookup (rows that copy beside rows that cannot) in the default suite; an assistant at 32
+# and the other strategies at 8 in the slow suite.
+@pytest.mark.parametrize("name, batch", [
+    ("prompt_lookup", 8), ("prompt_lookup", 32), pytest.param("speculative", 32, marks=pytest.mark.slow),
+    pytest.param("early_exit", 8, marks=pytest.mark.slow), pytest.param("mtp", 8, marks=pytest.mark.slow),
+])
+def test_mixed_batches_equal_their_rows_alone(folders, name, batch):
+    """A batch shares each round's verify block, and its width is chosen for the batch: every row must still equal
+    the row decoded alone with plain greedy. With prompt lookup, rows that copy draft while rows with nothing to copy
+    draft less in the same rounds: every row runs every round until it is done, so different totals are different
+    amounts within rounds."""
+    target, kwargs = strategy_call(name, folders, jnp.float32)
+    rows = mixed_rows(batch)
+    out = jaxspec.generate(target, rows, max_new_tokens=N, **kwargs)
+    for b, row in enumerate(rows):
+        alone = jaxspec.generate(target, [row], max_new_tokens=N)
+        np.testing.assert_array_equal(out.new_tokens(b), alone.new_tokens(0), err_msg=f"row {b}")
+    assert out.drafted.sum() > 0
+    if name == "prompt_lookup":
+        assert len(set(out.drafted.tolist())) > 2 and out.accepted.sum() > 0

@@ -7,6 +7,7 @@ import dataclasses
 import math
 import re
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -131,7 +132,7 @@ def test_catch_up_reads_a_gap_in_the_narrowest_block_that_covers_it(target, behi
     positions = jnp.broadcast_to(jnp.arange(size), (2, size))
     full_logits, _, full_cache = model(tokens, positions, model.init_cache(2, size))
     # The cache holds [0, synced) of each row; past it, garbage that the catch-up must overwrite before reading.
-    held = (np.arange(size)[None, :] < synced[:, None])[None, :, :, None, None]  # [1, B, S, 1, 1]
+    held = (np.arange(size)[None, :] < synced[:, None])[None, :, None, :, None]  # [1, B, 1, S, 1] ([L, B, K, S, Dh])
     stale = type(full_cache)(k=jnp.where(held, full_cache.k, 7.0), v=jnp.where(held, full_cache.v, -7.0))
 
     widths_run = []
@@ -156,7 +157,7 @@ def test_catch_up_reads_a_gap_in_the_narrowest_block_that_covers_it(target, behi
     np.testing.assert_allclose(logits, full_logits[np.arange(2), lengths - 1], rtol=1e-4, atol=1e-4)
     for row in range(2):
         for mine, full in ((cache.k, full_cache.k), (cache.v, full_cache.v)):
-            np.testing.assert_allclose(mine[:, row, : lengths[row]], full[:, row, : lengths[row]], rtol=1e-4,
+            np.testing.assert_allclose(mine[:, row, :, : lengths[row]], full[:, row, :, : lengths[row]], rtol=1e-4,
                                        atol=1e-5)
 
 
@@ -206,30 +207,50 @@ def test_adaptive_schedule_drafts_what_pays():
 
 def test_a_doubted_first_draft_counts_as_a_rejected_one():
     """Under the adaptive schedule a drafter proposes nothing when it doubts its first token, yet it ran: that round
-    counts as one rejected draft, for an idle row's probe (a missed probe: cooldown) and for a row whose drafting pays
-    (its estimate falls), or a drafter that keeps doubting would run every round and learn nothing. A row that did not
-    mean to draft (cooling down) is left alone. HF's schedules keep their rule and are left alone."""
+    counts as one rejected draft, for idle rows' probe (a missed probe: cooldown, for every row of the batch, which
+    probes together) and for rows whose drafting pays (their estimate falls), or a drafter that keeps doubting would
+    run every round and learn nothing. HF's schedules keep their rule and are left alone."""
     from jaxspec.strategies.draft_model import AutoregressiveDrafter
 
     costs = default_verify_costs((1, 2, 4, 8))
     drafter = AutoregressiveDrafter(max_draft=7, schedule=Schedule("adaptive", draft_cost=0.3, widths=(1, 2, 4, 8),
                                                                     verify_costs=costs))
-    state = drafter.schedule.init(3, np.int32(1))
-    # Row 0 idle and due to probe, row 1 drafting, row 2 idle and cooling down.
-    state = dataclasses.replace(state, accepted=np.array([0.0, 5.0, 0.0], np.float32),
-                                judged=np.array([5.0, 5.0, 5.0], np.float32), cooldown=np.array([0, 0, 3], np.int32))
-    assert drafter.schedule.probing(state).tolist() == [True, False, False]
-    assert drafter.schedule.allowed(state).tolist()[2] == 0
-    nothing = RoundResult(drafted=np.array([0, 0, 0]), accepted=np.array([0, 0, 0]), committed=np.array([1, 1, 1]),
+    nothing = RoundResult(drafted=np.array([0, 0]), accepted=np.array([0, 0]), committed=np.array([1, 1]),
                           tokens=None, hidden=None, lengths=None)
-    after = drafter.update_length(state, nothing)
-    assert after.cooldown.tolist()[0] > 0 and after.misses.tolist()[0] == 1
-    # The drafting row judged one more draft and accepted none: 0.8 * 5 / (0.8 * 5 + 1).
-    assert drafter.schedule.acceptance(after)[1] == pytest.approx(0.8)
-    assert after.cooldown.tolist()[2] == 2 and after.misses.tolist()[2] == 0  # only the cooldown ticks
-    assert np.allclose(after.judged[2], 5.0)
+    # Idle rows: row 0 due to probe, row 1 cooling down. The batch probes, both rows with one draft.
+    idle = dataclasses.replace(drafter.schedule.init(2, np.int32(1)), accepted=np.array([0.0, 0.0], np.float32),
+                               judged=np.array([5.0, 5.0], np.float32), cooldown=np.array([0, 3], np.int32))
+    assert bool(drafter.schedule.probing(idle)) and drafter.schedule.allowed(idle).tolist() == [1, 1]
+    after = drafter.update_length(idle, nothing)
+    assert after.misses.tolist() == [1, 1] and after.cooldown.tolist()[0] == after.cooldown.tolist()[1] > 0
+    # Rows whose drafting pays: each judged one more draft and accepted none, 0.8 * 5 / (0.8 * 5 + 1).
+    paying = dataclasses.replace(idle, accepted=np.array([5.0, 5.0], np.float32))
+    assert drafter.schedule.allowed(paying).tolist() == [7, 7] and not bool(drafter.schedule.probing(paying))
+    after = drafter.update_length(paying, nothing)
+    assert np.allclose(drafter.schedule.acceptance(after), 0.8) and after.misses.tolist() == [0, 0]
+    # A finished row (nothing committed) is left alone.
+    finished = dataclasses.replace(nothing, committed=np.array([1, 0]))
+    after = drafter.update_length(idle, finished)
+    assert after.misses.tolist() == [1, 0] and after.cooldown.tolist()[1] == 3 and np.allclose(after.judged[1], 5.0)
     hf = dataclasses.replace(drafter, schedule=Schedule("constant", initial=3))
     assert drafter.drops_doubted_first and not hf.drops_doubted_first
+
+
+def test_a_batch_decides_its_width_together():
+    """A verify block is one forward for the whole batch, as wide as its longest draft: the batch drafts what pays
+    summed over its running rows. One copying row among idle ones does not make a wide block pay when every row pays
+    for its width; once most rows copy, it does, and every row then drafts that length."""
+    schedule = Schedule("adaptive", draft_cost=0.3, **CPU_COSTS)
+    state = schedule.init(8, np.int32(1))
+    one_hot = dataclasses.replace(state, accepted=np.array([5.0] + [0.0] * 7, np.float32),
+                                  judged=np.full(8, 5.0, np.float32), cooldown=np.full(8, 4, np.int32))
+    assert schedule.allowed(one_hot).tolist() == [0] * 8  # alone, row 0 would draft 7
+    row_0 = jax.tree.map(lambda x: x[:1], one_hot)
+    assert schedule.allowed(row_0).tolist() == [7]
+    most = dataclasses.replace(one_hot, accepted=np.array([5.0] * 6 + [0.0] * 2, np.float32))
+    assert schedule.allowed(most).tolist() == [7] * 8
+    # Finished rows do not count: with only row 0 running, it drafts what pays for it alone.
+    assert schedule.allowed(one_hot, active=np.array([True] + [False] * 7)).tolist() == [7] * 8
 
 
 def test_heuristic_schedule_follows_transformers_rule():
