@@ -1,0 +1,96 @@
+"""benchmarks/device_check.py, the script a person runs once on a freshly lent GPU or TPU: its `--tiny` mode end to
+end in a subprocess, as CI runs it on a CPU (so the script cannot rot between accelerator loans), and the token
+comparison that makes it exit 1, on arrays that differ."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.fixtures.paths import BENCHMARKS, REPO_ROOT
+
+SCRIPT = os.path.join(BENCHMARKS, "device_check.py")
+TINY_STRATEGIES = ("greedy", "prompt_lookup", "early_exit")
+BATCH_SIZES = ("1", "8")
+COLUMNS = ("model", "strategy", "settings", "batch", "tok/s", "speedup", "compile s", "acceptance", "tokens/round",
+           "identical")
+
+
+@pytest.fixture(scope="module")
+def device_check():
+    import device_check  # benchmarks/ is on sys.path (pyproject's pythonpath), as for the other benchmark tests
+
+    return device_check
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The script's whole CI run, once. The users' buffer sizes (the suite's small ones are dropped): both prompts
+    then fit one cache bucket, so batch 1 compiles one loop per strategy, not two. XLA's fast-compile flags, since
+    compiling is nearly all of the run; no compilation cache, so every loop really compiles."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("JAXSPEC_MIN_BUFFER", "JAXSPEC_PREFILL_CHUNK")}
+    env |= {"JAX_PLATFORMS": "cpu", "JAXSPEC_STEP_COSTS": "default", "JAXSPEC_COMPILATION_CACHE": "off",
+            "JAXSPEC_CACHE": str(tmp_path_factory.mktemp("jaxspec-cache")),
+            "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+    command = [sys.executable, SCRIPT, "--tiny", "--max-new-tokens", "16", "--repeats", "1", "--bandwidth-mb", "16"]
+    return subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          check=False)
+
+
+def table_rows(stdout: str) -> dict[tuple[str, str], dict[str, str]]:
+    """The table's rows by (strategy, batch)."""
+    rows = {}
+    for line in stdout.splitlines():
+        if line.startswith("| tiny-llama |"):
+            cells = dict(zip(COLUMNS, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
+            rows[cells["strategy"], cells["batch"]] = cells
+    return rows
+
+
+def test_tiny_mode_runs_every_strategy_at_every_batch_size_identically(tiny_run):
+    assert tiny_run.returncode == 0, tiny_run.stdout + tiny_run.stderr[-4000:]
+    rows = table_rows(tiny_run.stdout)
+    assert set(rows) == {(s, b) for s in TINY_STRATEGIES for b in BATCH_SIZES}, tiny_run.stdout
+    for (strategy, batch), cells in rows.items():
+        assert cells["identical"] == "True", (strategy, batch)
+        assert float(cells["tok/s"]) > 0 and cells["speedup"].endswith("x")
+        if strategy != "greedy":  # drafts were proposed, so the comparison with plain decoding is not vacuous
+            assert cells["acceptance"] != "-", (strategy, batch)
+    for batch in BATCH_SIZES:
+        assert f"roofline tiny-llama batch {batch}: " in tiny_run.stdout
+    assert "of measured" in tiny_run.stdout and "nominal n/a" in tiny_run.stdout  # a CPU is not in the table
+    assert "skipped dflash (-): no trained DFlash drafter ships yet" in tiny_run.stdout
+    assert "every greedy output equals plain greedy decoding token for token" in tiny_run.stdout
+
+
+def test_first_mismatch_finds_the_first_differing_token(device_check):
+    plain = [np.array([5, 6, 7, 8]), np.array([1, 2, 3, 4])]
+    assert device_check.first_mismatch(plain, [row.copy() for row in plain]) is None
+    mismatch = device_check.first_mismatch(plain, [plain[0], np.array([1, 2, 9, 4])])
+    assert (mismatch.row, mismatch.position, mismatch.expected, mismatch.got) == (1, 2, 3, 9)
+    assert "row 1 differs first at new token 2" in str(mismatch)
+
+
+def test_first_mismatch_counts_a_row_cut_short(device_check):
+    """A row that stopped early (an EOS where plain decoding had none) differs even where its tokens agree."""
+    mismatch = device_check.first_mismatch([[1, 2, 3]], [[1, 2]])
+    assert (mismatch.row, mismatch.position, mismatch.expected, mismatch.got) == (0, 2, 3, None)
+    with pytest.raises(ValueError):
+        device_check.first_mismatch([[1]], [[1], [2]])
+
+
+def test_batches_take_the_prompts_in_turn(device_check):
+    assert device_check.batch_calls(["edit", "summary"], 1) == [("edit",), ("summary",)]
+    assert device_check.batch_calls(["edit", "summary"], 8) == [("edit", "summary") * 4]
+    assert device_check.batch_calls(["edit", "summary"], 3) == [("edit", "summary", "edit")]
+
+
+def test_nominal_bandwidth_by_device_kind(device_check):
+    assert device_check.nominal_bandwidth("NVIDIA H200") == pytest.approx(4.8e12)
+    assert device_check.nominal_bandwidth("TPU v5 lite") == pytest.approx(0.82e12)
+    assert device_check.nominal_bandwidth("cpu") is None
