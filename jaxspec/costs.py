@@ -93,9 +93,9 @@ def cost_batch(batch: int) -> int:
 def price_schedule(drafter, target: Model, assistant: Model | None, batch: int = 1):
     """`drafter` with its adaptive schedule priced by step costs measured at the call's batch (`cost_batch`): each
     verify width's forward over a plain step's, and, for an assistant that drafts one token per forward, its forward
-    over the target's. Drafters whose
-    drafts are part of the target's own network (early exit, MTP) keep their draft cost, a share of the target's
-    weights; copied drafts (prompt lookup) cost nothing. Unchanged where the schedule is not adaptive, where
+    over the target's; an MTP draft, one depth step over its window timed the same way. Early exit keeps its draft
+    cost, a share of the target's weights (E of L layers and the head: large blocks, whose bytes say what they
+    cost); copied drafts (prompt lookup) cost nothing. Unchanged where the schedule is not adaptive, where
     `JAXSPEC_STEP_COSTS=default`, and for sharded or multi-process runs."""
     schedule = getattr(drafter, "schedule", None)
     if schedule is None or schedule.kind != "adaptive" or not schedule.widths:
@@ -116,8 +116,56 @@ def price_schedule(drafter, target: Model, assistant: Model | None, batch: int =
     if drafter.drafts_with_assistant_forwards and assistant is not target:
         assistant_ms = forward_milliseconds(assistant, (1,), batch=rows, verifying=False, remeasure=remeasure)[1]
         draft_cost = round(assistant_ms / target_ms[1], 3)
+    elif drafter.drafts_with_mtp_steps:
+        window = drafter.max_draft + 1  # each depth runs over the last K + 1 positions (jaxspec/strategies/mtp.py)
+        draft_cost = round(mtp_step_milliseconds(target, window, batch=rows, remeasure=remeasure) / target_ms[1], 3)
     priced = dataclasses.replace(schedule, verify_costs=verify_costs, draft_cost=draft_cost)
     return dataclasses.replace(drafter, schedule=priced)
+
+
+def mtp_step_milliseconds(model: Model, window: int, *, batch: int = 1, remeasure: bool = False) -> float:
+    """Milliseconds of one MTP depth step over `window` positions of `batch` rows with its draft head, from the
+    cache file or measured now (`time_mtp_steps`)."""
+    key = f"{_key_prefix(model, verifying=False)}|mtp|{batch}x{window}"
+    stored = {} if remeasure else _read_cache()
+    if key not in stored:
+        stored = {key: round(time_mtp_steps(model, window, batch=batch), 4)}
+        _write_cache(stored)
+    return float(stored[key])
+
+
+def time_mtp_steps(model: Model, window: int, *, batch: int = 1, steps: int = STEPS, runs: int = RUNS,
+                   cache_size: int = CACHE_SIZE) -> float:
+    """Milliseconds per MTP depth step as a drafting round runs it: depth 0 over `window` positions, writing its
+    cache in place, then its draft head on the last position (the head gathered once, as decoding does)."""
+    graphdef, state = nnx.split(model.module)
+    width = model.config.hidden_size
+
+    def loop(state, caches):
+        module = nnx.merge(graphdef, state)
+        head = module.draft_head() if getattr(module.cfg, "draft_vocab_size", 0) else None
+
+        def step(i, carry):
+            caches, prev, checksum = carry
+            tokens = jnp.ones((batch, window), jnp.int32)
+            positions = jnp.broadcast_to(START_POSITION + i + jnp.arange(window), (batch, window))  # [B, W]
+            out, _, caches = module.mtp_step(0, tokens, prev, positions, caches)
+            logits = module.draft_logits(out[:, -1], head) if head is not None else module.logits(out[:, -1])
+            return caches, out, checksum + logits[0, 0]  # a result that depends on every step
+
+        start = (caches, jnp.zeros((batch, window, width), model.dtype), jnp.zeros((), jnp.float32))
+        return jax.lax.fori_loop(0, steps, step, start)
+
+    run = jax.jit(loop, donate_argnums=1)
+    caches, _, checksum = run(state, model.module.init_mtp_cache(batch, cache_size, depths=1))  # compiles
+    jax.block_until_ready(checksum)
+    best = float("inf")
+    for _ in range(runs):
+        begin = time.perf_counter()
+        caches, _, checksum = run(state, caches)
+        jax.block_until_ready(checksum)
+        best = min(best, (time.perf_counter() - begin) / steps)
+    return best * 1e3
 
 
 def interpolate(milliseconds: dict[int, float], width: int) -> float:

@@ -185,6 +185,9 @@ class Drafter:
     # Whether each draft costs one forward of a separate assistant model: then jaxspec/costs.py prices a draft by
     # timing that forward, instead of keeping the schedule's share-of-weights estimate.
     drafts_with_assistant_forwards = False
+    # Whether each draft is one MTP depth step of the target over a window of K + 1 positions: then costs.py times
+    # that step (its weight share says far less on a CPU, where a thin layer's fixed costs dominate its bytes).
+    drafts_with_mtp_steps = False
     # Decoder layers (0-based, ascending) whose outputs the drafter reads (block and EAGLE-style drafters): the loop
     # taps them in every target forward and hands them over with the prompt's chunks and each verified round.
     feature_layers: tuple[int, ...] = ()

@@ -157,3 +157,22 @@ def test_generate_reports_the_speedup_its_cost_model_expected(pair):
     constant = jaxspec.generate(target, ids, max_new_tokens=16, prompt_lookup_num_tokens=4,
                                 num_assistant_tokens_schedule="constant")
     assert constant.priced_steps == 0 and np.isnan(constant.modelled_speedup)
+
+
+def test_an_mtp_draft_is_priced_by_timing_its_depth_step(measuring, tmp_path_factory, monkeypatch):
+    """A draft of MTP layers is one depth step over the last K + 1 positions and its draft head: timed on the
+    machine (a thin layer's fixed costs on a CPU are not its share of the weights), once, then read from the file."""
+    from tests.fixtures.moe import FAMILIES, save_checkpoint
+
+    folder = save_checkpoint("glm4_moe", str(tmp_path_factory.mktemp("glm")), 2, 2, FAMILIES["glm4_moe"], seed=2)
+    target = jaxspec.load(folder)
+    drafter = choose_strategy(target, DraftingConfig(use_mtp=True), do_sample=False).drafter
+    assert drafter.drafts_with_mtp_steps and drafter.max_draft == 2
+    step_ms = costs.time_mtp_steps(target, drafter.max_draft + 1, runs=1)  # the real step compiles and runs
+    assert step_ms > 0
+    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, head=None, batch=1: {w: 10.0 for w in widths})
+    monkeypatch.setattr(costs, "time_mtp_steps", lambda model, window, batch=1: 2.5 * window)
+    priced = costs.price_schedule(drafter, target, None).schedule
+    assert priced.draft_cost == 0.75  # 7.5 ms of a 10 ms step
+    monkeypatch.setattr(costs, "time_mtp_steps", lambda *args, **kwargs: pytest.fail("timed again"))
+    assert costs.price_schedule(drafter, target, None).schedule == priced
