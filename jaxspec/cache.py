@@ -5,6 +5,16 @@ different amounts. The cache stores no length of its own: the decode state's per
 of truth, and the target's live prefix is always `lengths - 1` entries (the newest token has not been run yet).
 Rolling back a rejected draft therefore costs nothing: the length moves, stale entries stay where they are and are
 overwritten by the next round before any query at their position can see them.
+
+Layout: keys and values are stored `[L, B, K, S, Dh]`, kv heads before positions (MLA's latents `[L, B, S, R]`):
+the layouts in which attention's products (`models/layers.grouped_attention`) take a layer's slice as it lies.
+XLA:CPU runs a batched matrix product with its batch axes (B, K) leading in both operands; stored `[L, B, S, K, Dh]`,
+every layer's keys and values were transposed into that order in every step (tests/decode/test_inplace.py checks
+that no such rearrangement remains). What XLA:CPU still does is copy the layer's slice out of the stack before the
+product reads it, as it does for any slice of a stacked array it feeds a product (docs/design.md says the same of
+stacked weights): a contiguous copy now, not a transposing one. `python benchmarks/bench_cache_layout.py` counts
+both kinds and measures the step with either layout. Positions are second to last in every stack, so one write
+(`write_at_positions`) and one prefix slice (`models/layers.attend_live`) serve them all.
 """
 
 from __future__ import annotations
@@ -14,18 +24,18 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-KV_CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+KV_CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, K, Dh]
-    v: jax.Array  # [L, B, S, K, Dh]
+    k: jax.Array  # [L, B, K, S, Dh]
+    v: jax.Array  # [L, B, K, S, Dv]
 
     @property
     def size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @staticmethod
     def logical_axes() -> "KVCache":
@@ -35,11 +45,40 @@ class KVCache:
 def init_kv_cache(
     num_layers: int, batch: int, size: int, kv_heads: int, head_dim: int, dtype: jnp.dtype, v_head_dim: int | None = None
 ) -> KVCache:
-    """Zero-filled cache for `size` positions per row."""
+    """Zero-filled cache for `size` positions per row of `num_layers` layers (`stack_layers` of them)."""
+    layers = stack_layers(num_layers)
     return KVCache(
-        k=jnp.zeros((num_layers, batch, size, kv_heads, head_dim), dtype),
-        v=jnp.zeros((num_layers, batch, size, kv_heads, v_head_dim or head_dim), dtype),
+        k=jnp.zeros((layers, batch, kv_heads, size, head_dim), dtype),
+        v=jnp.zeros((layers, batch, kv_heads, size, v_head_dim or head_dim), dtype),
     )
+
+
+def stack_layers(num_layers: int) -> int:
+    """How many layers a cache stack holds for `num_layers`: at least two, the second of a one-layer model never
+    written or read. In a one-layer stack, a layer's slice is the whole buffer, and XLA:CPU fuses the step's write
+    into attention's read of it: it then computes the write twice, in place and into copies of the whole stack,
+    several per step (tests/decode/test_inplace.py checks that none remain). In a stack of two or more, attention
+    reads a slice of a buffer written in place."""
+    return max(num_layers, 2)
+
+
+def write_kv(cache: KVCache, layer: int | jax.Array, positions: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    """The cache with layer `layer`'s keys k [B, T, K, Dh] and values v [B, T, K, Dv] written at each row's
+    positions [B, T]. Positions at or past S are dropped (padding rows, a prompt's padding)."""
+    return KVCache(k=write_at_positions(cache.k, layer, positions, k),
+                   v=write_at_positions(cache.v, layer, positions, v))
+
+
+def write_at_positions(buffer: jax.Array, layer: int | jax.Array, positions: jax.Array, entries: jax.Array
+                       ) -> jax.Array:
+    """Any cache stack of this module, [L, B, ..., S, F] (positions second to last), with `entries` [B, T, ..., F]
+    written at (layer, row b, positions[b, t]). Positions at or past S are dropped.
+
+    When axes stand between B and S (a KVCache's heads), NumPy's rule puts the indexed axes' broadcast shape [B, T]
+    first in the update, which is the order `entries` come in; when none do (MLA), it stays in place, which is too.
+    """
+    rows = jnp.arange(entries.shape[0])[:, None]  # [B, 1]
+    return buffer.at[layer, rows, ..., positions, :].set(entries.astype(buffer.dtype), mode="drop")
 
 
 # Multi-head latent attention (DeepSeek-V2/V3) caches what its keys and values are computed from, not the keys and
@@ -66,8 +105,9 @@ class MLACache:
 def init_mla_cache(
     num_layers: int, batch: int, size: int, latent_dim: int, rope_dim: int, dtype: jnp.dtype
 ) -> MLACache:
-    """Zero-filled latent cache for `size` positions per row."""
+    """Zero-filled latent cache for `size` positions per row of `num_layers` layers (`stack_layers` of them)."""
+    layers = stack_layers(num_layers)
     return MLACache(
-        latent=jnp.zeros((num_layers, batch, size, latent_dim), dtype),
-        k_rope=jnp.zeros((num_layers, batch, size, rope_dim), dtype),
+        latent=jnp.zeros((layers, batch, size, latent_dim), dtype),
+        k_rope=jnp.zeros((layers, batch, size, rope_dim), dtype),
     )

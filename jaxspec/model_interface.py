@@ -129,7 +129,8 @@ class SharedKvModel(CausalLM, Protocol):
 
     def shared_kv(self, cache: Cache, layer_type: str) -> tuple[jax.Array, jax.Array]:
         """Keys and values of `layer_type`'s store layer ("sliding_attention" or "full_attention"):
-        ([B, S, kv_heads, head_dim], [B, S, kv_heads, head_dim]), position-indexed, already normed and rotated."""
+        ([B, kv_heads, S, head_dim], [B, kv_heads, S, head_dim]) (the KV cache's layout, jaxspec/cache.py),
+        position-indexed, already normed and rotated."""
         ...
 
 
@@ -144,7 +145,7 @@ class DrafterModel(Protocol):
     def __call__(self, inputs: jax.Array, positions: jax.Array,
                  shared_kv: dict[str, tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, jax.Array]:
         """inputs [B, T, 2 D_t] (the target's scaled embedding of the token, then a hidden state), positions [B, T],
-        shared_kv {layer type: (k, v) [B, S, kv_heads, head_dim]} -> logits [B, T, V] float32, next hidden
+        shared_kv {layer type: (k, v) as `SharedKvModel.shared_kv` gives them} -> logits [B, T, V] float32, next hidden
         [B, T, D_t]. Keys at or past a query's position are never read."""
         ...
 

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.cache import MLACache, init_mla_cache
+from jaxspec.cache import MLACache, init_mla_cache, write_at_positions
 
 from . import layers as L
 from . import moe
@@ -166,11 +166,8 @@ def mla_attention(cfg: DeepseekV3Config, p, h, positions, cache: MLACache, index
     inv_freq, scaling = cfg.rope.inv_freq(), cfg.rope.attention_factor
     q_rope = L.apply_rope(q[..., dn:], positions, inv_freq, scaling)  # [B, T, H, Dr]
     k_rope = L.apply_rope(kv[:, :, None, r:], positions, inv_freq, scaling)[:, :, 0]  # [B, T, Dr]
-    rows = jnp.arange(h.shape[0])[:, None]
-    cache = MLACache(
-        latent=cache.latent.at[index, rows, positions].set(latent.astype(cache.latent.dtype), mode="drop"),
-        k_rope=cache.k_rope.at[index, rows, positions].set(k_rope.astype(cache.k_rope.dtype), mode="drop"),
-    )
+    cache = MLACache(latent=write_at_positions(cache.latent, index, positions, latent),
+                     k_rope=write_at_positions(cache.k_rope, index, positions, k_rope))
     w_uk, w_uv = p["wkv_b"][..., :dn], p["wkv_b"][..., dn:]  # [R, H, Dn], [R, H, Dv]
     q_absorbed = jnp.einsum("bthk,rhk->bthr", q[..., :dn], w_uk)  # [B, T, H, R]
     out_latent = L.attend_live(latent_attention, (q_absorbed, q_rope), cache.latent, cache.k_rope, positions,
@@ -188,7 +185,9 @@ def latent_attention(q, c_latent, c_rope, positions, scale: float, first):
     visible = L.causal_window(positions, c_latent.shape[1], first)  # [B, T, S]
     scores = jnp.where(visible[:, None], scores * scale, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(c_latent.dtype)  # [B, H, T, S]
-    return jnp.einsum("bhts,bsr->bthr", weights, c_latent)
+    # The product in its natural order (batch, then the weights' axes, then the latent's): asked for [B, T, H, R]
+    # directly, XLA:CPU computed it transposed, from a transposed copy of the layer's latent cache.
+    return jnp.einsum("bhts,bsr->bhtr", weights, c_latent).transpose(0, 2, 1, 3)
 
 
 class DeepseekV3ForCausalLM(MoeCausalLM):

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.cache import KVCache, init_kv_cache
+from jaxspec.cache import KVCache, init_kv_cache, write_kv
 
 from . import int8 as I
 from . import layers as L
@@ -381,7 +381,8 @@ class DFlashDrafter(nnx.Module):
         return L.rms_norm(x, self.hidden_norm[...], self.cfg.rms_norm_eps)
 
     def init_cache(self, batch: int, size: int) -> KVCache:
-        """The context's keys and values, position-indexed: k, v [layers, B, S, K, Dh], zeros."""
+        """The context's keys and values, position-indexed, in the target cache's layout (jaxspec/cache.py): k
+        [layers, B, K, S, Dh], v [layers, B, K, S, Dh], zeros."""
         c = self.cfg
         return init_kv_cache(c.num_layers, batch, size, c.num_kv_heads, c.head_dim, self.dtype)
 
@@ -390,14 +391,11 @@ class DFlashDrafter(nnx.Module):
         K = rope(k_norm(context @ Wk)), V = context @ Wv written there. Positions at or past S are dropped (padding);
         entries at positions a row has not committed are written but never read."""
         inv_freq = self.cfg.inv_freq()
-        rows = jnp.arange(context.shape[0])[:, None]
         context = context.astype(self.dtype)
-        k_cache, v_cache = cache.k, cache.v
         for index, layer in enumerate(self.layers):
             k, v = self._key_value(layer.params(), context, positions, inv_freq)  # [B, T, K, Dh]
-            k_cache = k_cache.at[index, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-            v_cache = v_cache.at[index, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-        return KVCache(k=k_cache, v=v_cache)
+            cache = write_kv(cache, index, positions, k, v)
+        return cache
 
     def draft_block(self, block_embeddings: jax.Array, positions: jax.Array, cache: KVCache,
                     lengths: jax.Array) -> jax.Array:
@@ -453,15 +451,14 @@ class DFlashDrafter(nnx.Module):
 def _block_attention(q, k_cache, v_cache, positions, *, lengths, block_k, block_v, reach, causal, scale):
     """Grouped-query attention of the block over [context cache ; the block itself].
 
-    q [B, W, H, Dh]; k_cache, v_cache [B, S, K, Dh] (a live prefix of the cache); positions [B, W]; lengths [B];
-    block_k, block_v [B, W, K, Dh]. Cache entry s is at position s and live when s < lengths[b]; block entry j is at
-    positions[b, j]. A key is seen when live, within `reach` of the query (None: any) and, if `causal`, not after it.
-    Returns [B, W, H, Dh].
+    q [B, W, H, Dh]; k_cache, v_cache [B, K, S, Dh] (a live prefix of the cache); positions [B, W];
+    lengths [B]; block_k, block_v [B, W, K, Dh]. Cache entry s is at position s and live when s < lengths[b]; block
+    entry j is at positions[b, j]. A key is seen when live, within `reach` of the query (None: any) and, if
+    `causal`, not after it. The context and the block are scored apart and share one softmax, so the cache is read
+    where it lies rather than copied into a concatenation with the block. Returns [B, W, H, Dh].
     """
     b, w, h, dh = q.shape
-    size = k_cache.shape[1]
-    keys = jnp.concatenate([k_cache, block_k.astype(k_cache.dtype)], axis=1)  # [B, S+W, K, Dh]
-    values = jnp.concatenate([v_cache, block_v.astype(v_cache.dtype)], axis=1)
+    kv_heads, size = k_cache.shape[1], k_cache.shape[2]
     slots = jnp.broadcast_to(jnp.arange(size), (b, size))
     key_pos = jnp.concatenate([slots, positions], axis=1)  # [B, S+W]
     live = jnp.concatenate([slots < lengths[:, None], jnp.ones((b, w), bool)], axis=1)  # [B, S+W]
@@ -471,10 +468,14 @@ def _block_attention(q, k_cache, v_cache, positions, *, lengths, block_k, block_
         visible = visible & (delta >= 0)
     if reach is not None:
         visible = visible & (jnp.abs(delta) <= reach)
-    kv_heads = keys.shape[2]
     q = q.reshape(b, w, kv_heads, h // kv_heads, dh)  # [B, W, K, G, Dh]
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32) * scale
+    context = jnp.einsum("bwkgd,bksd->bkgws", q, k_cache, preferred_element_type=jnp.float32)  # [B, K, G, W, S]
+    own = jnp.einsum("bwkgd,bjkd->bkgwj", q, block_k.astype(k_cache.dtype), preferred_element_type=jnp.float32)
+    scores = jnp.concatenate([context, own], axis=-1) * scale  # [B, K, G, W, S+W]
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, values)
-    return out.reshape(b, w, h, values.shape[-1])
+    weights = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    # [B, K, G, W, Dh]: (B, K) leading, then query order afterwards, so the values are read as they lie (see
+    # layers.grouped_attention)
+    out = (jnp.einsum("bkgws,bksd->bkgwd", weights[..., :size], v_cache)
+           + jnp.einsum("bkgwj,bjkd->bkgwd", weights[..., size:], block_v.astype(v_cache.dtype)))
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, w, h, v_cache.shape[-1])

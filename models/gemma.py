@@ -31,10 +31,11 @@ earlier layer of their own type (its "store" layer) and have no k/v projections.
 For the Gemma 4 MTP drafter (HF `Gemma4AssistantForCausalLM`, driven by `SinglePositionMultiTokenCandidateGenerator`
 in transformers/generation/candidate_generator.py), what it reads from the target is available here:
 - the shared KV states of each attention type: `module.shared_kv(cache, "sliding_attention" | "full_attention")`
-  gives `(k, v)`, each `[B, S, kv_heads, head_dim]`, the target cache of `cfg.kv_store_layer(type)`. They are
-  position-indexed (entry p holds position p, already k-normed, v-normed and rotated), valid below each row's
-  committed length - 1; entries at or past it are stale drafts or zeros. HF's drafter sees, for sliding layers,
-  only the last `sliding_window + 1` entries: mask them with `layers.sliding_window_mask` or your own rule.
+  gives `(k, v)`, each `[B, kv_heads, S, head_dim]` (the cache's layout, jaxspec/cache.py), the target cache of
+  `cfg.kv_store_layer(type)`. They are position-indexed (entry p holds position p, already k-normed, v-normed and
+  rotated), valid below each row's committed length - 1; entries at or past it are stale drafts or zeros. HF's
+  drafter sees, for sliding layers, only the last `sliding_window + 1` entries: mask them with
+  `layers.sliding_window_mask` or your own rule.
   HF marks store layers only when `num_kv_shared_layers > 0`; a drafter should refuse a target without sharing, as
   HF does (`cfg.num_kv_shared_layers == 0`).
 - the target's last hidden state: the `hidden` output of `module(tokens, positions, cache)` (final-normed, the
@@ -62,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.cache import KVCache, init_kv_cache
+from jaxspec.cache import KVCache, init_kv_cache, write_kv
 
 from . import int8 as I
 from . import layers as L
@@ -572,8 +573,9 @@ class GemmaForCausalLM(nnx.Module):
                           per_layer_inputs=jnp.zeros((batch, size, packed), self.dtype))
 
     def shared_kv(self, cache: GemmaCache, layer_type: str) -> tuple[jax.Array, jax.Array]:
-        """Keys and values of `layer_type`'s store layer (`cfg.kv_store_layer`): ([B, S, K, Dh], [B, S, K, Dh]).
-        What HF returns as `shared_kv_states[layer_type]`, position-indexed; see the module docstring."""
+        """Keys and values of `layer_type`'s store layer (`cfg.kv_store_layer`): ([B, K, S, Dh], [B, K, S, Dh]).
+        What HF returns as `shared_kv_states[layer_type]`, position-indexed, in the cache's layout (jaxspec/cache.py);
+        see the module docstring."""
         store = self.cfg.kv_store_layer(layer_type)
         if store is None:
             raise ValueError(f"no layer of type {layer_type!r} computes keys and values in this model.")
@@ -589,7 +591,7 @@ def _scale(value: float, dtype) -> jax.Array:
 
 def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, index, inv_freq):
     """One Gemma block: norm -> attention -> norm, residual; norm -> MLP -> norm, residual; then Gemma 4's per-layer
-    input and layer scalar. stacks: {layer type: KVCache [L_type, B, S, K, Dh]}."""
+    input and layer scalar. stacks: {layer type: KVCache [L_type, B, K, S, Dh]}."""
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     layer_type = cfg.layer_types[index]
     kind = cfg.kind(index)
@@ -608,11 +610,7 @@ def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, i
         if cfg.v_norm:
             v = L.gemma_rms_norm(v, None, eps)
         k = L.apply_rope(k, positions, inv_freq[layer_type])
-        rows = jnp.arange(x.shape[0])[:, None]
-        stack = KVCache(
-            k=stack.k.at[slot, rows, positions].set(k.astype(stack.k.dtype), mode="drop"),
-            v=stack.v.at[slot, rows, positions].set(v.astype(stack.v.dtype), mode="drop"),
-        )
+        stack = write_kv(stack, slot, positions, k, v)
         stacks = stacks | {layer_type: stack}
     attn = L.attend_live(L.windowed_attention, q, stack.k, stack.v, positions, cfg.query_scale, kind.window,
                          cfg.attn_softcap, layer=slot)

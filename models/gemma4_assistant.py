@@ -136,7 +136,7 @@ def key_window(layer_type: str, sliding_window: int | None) -> int | None:
 class Gemma4AssistantForCausalLM(nnx.Module):
     """`drafter(inputs[B,T,2 D_t], positions[B,T], shared_kv) -> (logits[B,T,V] float32, next hidden[B,T,D_t])`.
 
-    `shared_kv`: {layer type: (k, v)}, each [B, S, K, Dh], the target's position-indexed store-layer cache
+    `shared_kv`: {layer type: (k, v)}, each [B, K, S, Dh], the target's position-indexed store-layer cache
     (`GemmaForCausalLM.shared_kv`). Entries at or past a query's position are never read.
     """
 
@@ -189,7 +189,7 @@ class Gemma4AssistantForCausalLM(nnx.Module):
 
 def _layer(cfg: GemmaConfig, p, x, positions, k, v, window, inv_freq) -> jax.Array:
     """A Gemma 4 block whose attention reads the target's keys and values: norm -> attention -> norm, residual;
-    norm -> MLP -> norm, residual; layer scalar. x: [B, T, D]; k, v: [B, S, K, Dh]."""
+    norm -> MLP -> norm, residual; layer scalar. x: [B, T, D]; k, v: [B, K, S, Dh]."""
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     h = L.gemma_rms_norm(x, p["attn_norm"], eps, offset)
     q = L.gemma_rms_norm(jnp.einsum("btd,dhk->bthk", h, p["wq"]), p["q_norm"], eps, offset)  # [B, T, H, Dh]

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxspec.cache import KVCache, init_kv_cache
+from jaxspec.cache import KVCache, init_kv_cache, write_kv
 
 from . import layers as L
 from . import moe
@@ -113,11 +113,7 @@ def gqa_attention(cfg: Glm4MoeConfig, p, h, positions, cache: KVCache, index, fi
     inv_freq, scaling = cfg.rope.inv_freq(), cfg.rope.attention_factor
     q = L.apply_rope(q, positions, inv_freq, scaling)
     k = L.apply_rope(k, positions, inv_freq, scaling)
-    rows = jnp.arange(h.shape[0])[:, None]
-    cache = KVCache(
-        k=cache.k.at[index, rows, positions].set(k.astype(cache.k.dtype), mode="drop"),
-        v=cache.v.at[index, rows, positions].set(v.astype(cache.v.dtype), mode="drop"),
-    )
+    cache = write_kv(cache, index, positions, k, v)
     attn = L.attend_live(L.cached_attention_window, q, cache.k, cache.v, positions, cfg.head_dim**-0.5, first,
                          layer=index)
     return jnp.einsum("bthk,hkd->btd", attn, p["wo"]), cache

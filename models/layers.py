@@ -130,14 +130,15 @@ def attend_live(attend, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, po
     """`attend(q, k, v, positions, *args)` over the cache prefix [0, E) for the smallest E in `key_extents` that
     holds every query's position; `attend` masks by the cache size it is given.
 
-    k_cache, v_cache: [B, S, ...], or [L, B, S, ...] read at `layer`. The caches enter the branches whole and each
-    branch slices its own prefix, so no branch copies more than its prefix.
+    k_cache, v_cache: one layer's caches with positions second to last (a `KVCache` layer's [B, K, S, Dh], MLA's
+    latent [B, S, R] and rope key [B, S, Dr]), or stacks of them on a leading layers axis, read at `layer`. The
+    caches enter the branches whole and each branch slices its own prefix, so no branch copies more than its prefix.
     """
-    size = k_cache.shape[1 if layer is None else 2]
+    size = k_cache.shape[-2]
     extents = key_extents(size)
 
     def prefix(cache: jax.Array, extent: int) -> jax.Array:
-        return cache[:, :extent] if layer is None else cache[layer, :, :extent]
+        return cache[..., :extent, :] if layer is None else cache[layer, ..., :extent, :]
 
     def branch(extent: int):
         return lambda q, k, v, p: attend(q, prefix(k, extent), prefix(v, extent), p, *args)
@@ -149,26 +150,40 @@ def attend_live(attend, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, po
     return jax.lax.switch(choice, [branch(e) for e in extents], q, k_cache, v_cache, positions)
 
 
+def grouped_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, visible: jax.Array, scale: float,
+                      softcap: float | None = None) -> jax.Array:
+    """Grouped-query attention of T queries over the S entries of one layer's cache, where `visible` allows.
+
+    q: [B, T, H, Dh]; k_cache: [B, K, S, Dh]; v_cache: [B, K, S, Dv]; visible: [B, T, S] bool. Scores are scaled,
+    soft-capped (`softcap`; None: not), then masked. Returns [B, T, H, Dv].
+
+    Both products keep (B, K) as their leading batch axes, in operands and result alike, so XLA takes the layer's
+    keys and values as they lie, untransposed (jaxspec/cache.py); the result is put in query order afterwards, a
+    transpose of T x H x Dv numbers. Asking the product itself for [B, T, K, G, Dv] made XLA:CPU compute it
+    transposed, from a transposed copy of the values.
+    """
+    b, t, h, dh = q.shape
+    kv_heads = k_cache.shape[1]
+    q = q.reshape(b, t, kv_heads, h // kv_heads, dh)  # [B, T, K, G, Dh]
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k_cache, preferred_element_type=jnp.float32) * scale
+    scores = soft_cap(scores, softcap)
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)  # [B, K, G, T, S]
+    weights = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    out = jnp.einsum("bkgts,bksd->bkgtd", weights, v_cache)  # [B, K, G, T, Dv]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, v_cache.shape[-1])
+
+
 def cached_attention(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, scale: float
 ) -> jax.Array:
     """Causal grouped-query attention of T new queries against a cache that already holds them.
 
-    q: [B, T, H, Dh]; k_cache, v_cache: [B, S, K, Dh]; positions: [B, T]. The cache index is the absolute
-    position, so the causal mask alone (key index <= query position) selects every live entry: entries past a
-    row's committed length are stale drafts or padding and sit at later positions, where no query looks.
-    Returns [B, T, H, Dh].
+    q: [B, T, H, Dh]; k_cache: [B, K, S, Dh]; v_cache: [B, K, S, Dv]; positions: [B, T]. The cache index is the
+    absolute position, so the causal mask alone (key index <= query position) selects every live entry: entries
+    past a row's committed length are stale drafts or padding and sit at later positions, where no query looks.
+    Returns [B, T, H, Dv].
     """
-    b, t, h, dh = q.shape
-    kv_heads = k_cache.shape[2]
-    q = q.reshape(b, t, kv_heads, h // kv_heads, dh)  # [B, T, K, G, Dh]
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32) * scale
-    key_index = jnp.arange(k_cache.shape[1])
-    visible = key_index[None, None, :] <= positions[:, :, None]  # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v_cache)
-    return out.reshape(b, t, h, v_cache.shape[-1])
+    return grouped_attention(q, k_cache, v_cache, causal_window(positions, k_cache.shape[2]), scale)
 
 
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -228,17 +243,9 @@ def cached_attention_window(
 ) -> jax.Array:
     """`cached_attention` over keys in [first, query position] only (see `causal_window`).
 
-    q: [B, T, H, Dh]; k_cache: [B, S, K, Dh]; v_cache: [B, S, K, Dv]; positions: [B, T]. Returns [B, T, H, Dv].
+    q: [B, T, H, Dh]; k_cache: [B, K, S, Dh]; v_cache: [B, K, S, Dv]; positions: [B, T]. Returns [B, T, H, Dv].
     """
-    b, t, h, dh = q.shape
-    kv_heads = k_cache.shape[2]
-    q = q.reshape(b, t, kv_heads, h // kv_heads, dh)  # [B, T, K, G, Dh]
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32) * scale
-    visible = causal_window(positions, k_cache.shape[1], first)  # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v_cache)
-    return out.reshape(b, t, h, v_cache.shape[-1])
+    return grouped_attention(q, k_cache, v_cache, causal_window(positions, k_cache.shape[2], first), scale)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -313,19 +320,11 @@ def windowed_attention(
     """`cached_attention` with an optional sliding window (`sliding_window_mask`) and an optional soft-cap of the
     scaled scores before masking (Gemma 2's `attn_logit_softcapping`).
 
-    q: [B, T, H, Dh]; k_cache: [B, S, K, Dh]; v_cache: [B, S, K, Dv]; positions: [B, T]. Returns [B, T, H, Dv].
+    q: [B, T, H, Dh]; k_cache: [B, K, S, Dh]; v_cache: [B, K, S, Dv]; positions: [B, T]. Returns [B, T, H, Dv].
     Entries past a row's committed length are stale drafts or padding at later positions, which no query sees.
     """
-    b, t, h, dh = q.shape
-    kv_heads = k_cache.shape[2]
-    q = q.reshape(b, t, kv_heads, h // kv_heads, dh)  # [B, T, K, G, Dh]
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32) * scale
-    scores = soft_cap(scores, softcap)
-    visible = sliding_window_mask(positions, k_cache.shape[1], window)  # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v_cache)
-    return out.reshape(b, t, h, v_cache.shape[-1])
+    visible = sliding_window_mask(positions, k_cache.shape[2], window)  # [B, T, S]
+    return grouped_attention(q, k_cache, v_cache, visible, scale, softcap)
 
 
 def init_value(name: str, shape: tuple[int, ...], dtype, rngs) -> jax.Array:

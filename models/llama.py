@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.cache import KVCache, init_kv_cache
+from jaxspec.cache import KVCache, init_kv_cache, write_kv
 
 from . import int8 as I
 from . import layers as L
@@ -262,12 +262,10 @@ class LlamaForCausalLM(nnx.Module):
         """Run decoder layers [start, stop) on x: [B, T, D], writing their cache entries at `positions`."""
         stop = self.cfg.num_layers if stop is None else stop
         inv_freq = self.cfg.inv_freq()
-        k_cache, v_cache = cache.k, cache.v
         for index in range(start, stop):
             p = self.layers[index].params()
-            x, k_cache, v_cache = _decoder_layer(self.cfg, p, x, positions, k_cache, v_cache, index, inv_freq,
-                                                 window=self.cfg.window(index))
-        return x, KVCache(k=k_cache, v=v_cache)
+            x, cache = _decoder_layer(self.cfg, p, x, positions, cache, index, inv_freq, window=self.cfg.window(index))
+        return x, cache
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
         return L.rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
@@ -321,10 +319,10 @@ class LlamaForCausalLM(nnx.Module):
         e = L.rms_norm(self.embed_tokens(tokens), p["enorm"], eps)
         h = L.rms_norm(prev_hidden.astype(e.dtype), p["hnorm"], eps)
         x = jnp.concatenate([e, h], axis=-1) @ p["eh_proj"]  # [B, T, D]
-        x, k_cache, v_cache = _decoder_layer(self.cfg, p, x, positions, mtp_cache.k, mtp_cache.v, depth,
-                                             self.cfg.inv_freq(), first=depth + 1)
+        x, mtp_cache = _decoder_layer(self.cfg, p, x, positions, mtp_cache, depth, self.cfg.inv_freq(),
+                                      first=depth + 1)
         out = L.rms_norm(x, p["out_norm"], eps)
-        return out, self.logits(out), KVCache(k=k_cache, v=v_cache)
+        return out, self.logits(out), mtp_cache
 
     def draft_head(self) -> jax.Array:
         """[V', D]: the head's rows for the draft vocabulary's ids. Gathering them reads as many bytes as the product
@@ -360,9 +358,9 @@ class LlamaForCausalLM(nnx.Module):
             )
 
 
-def _decoder_layer(cfg: LlamaConfig, p, x, positions, k_cache, v_cache, index, inv_freq, first: int = 0,
-                   window: int | None = None):
-    """One pre-norm block. p: this layer's params; k_cache/v_cache: [L, B, S, K, Dh] for all layers. Attention sees
+def _decoder_layer(cfg: LlamaConfig, p, x, positions, cache: KVCache, index, inv_freq, first: int = 0,
+                   window: int | None = None) -> tuple[jax.Array, KVCache]:
+    """One pre-norm block. p: this layer's params; cache: every layer's, written at layer `index`. Attention sees
     cache entries from position `first` on (an MTP depth k has none below k+1), and only the last `window`
     positions when the layer slides (Qwen2/Qwen3's use_sliding_window)."""
     h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
@@ -375,23 +373,20 @@ def _decoder_layer(cfg: LlamaConfig, p, x, positions, k_cache, v_cache, index, i
         q, k = L.rms_norm(q, p["q_norm"], cfg.rms_norm_eps), L.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = L.apply_rope(q, positions, inv_freq)
     k = L.apply_rope(k, positions, inv_freq)
-    rows = jnp.arange(x.shape[0])[:, None]
-    k_cache = k_cache.at[index, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[index, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+    cache = write_kv(cache, index, positions, k, v)
+    scale = cfg.head_dim**-0.5
     if first:
-        attn = L.attend_live(L.cached_attention_window, q, k_cache, v_cache, positions, cfg.head_dim**-0.5, first,
-                             layer=index)
+        attn = L.attend_live(L.cached_attention_window, q, cache.k, cache.v, positions, scale, first, layer=index)
     elif window is not None:
-        attn = L.attend_live(L.windowed_attention, q, k_cache, v_cache, positions, cfg.head_dim**-0.5, window,
-                             layer=index)
+        attn = L.attend_live(L.windowed_attention, q, cache.k, cache.v, positions, scale, window, layer=index)
     else:
-        attn = L.attend_live(L.cached_attention, q, k_cache, v_cache, positions, cfg.head_dim**-0.5, layer=index)
+        attn = L.attend_live(L.cached_attention, q, cache.k, cache.v, positions, scale, layer=index)
     out = I.project("bthk,hkd->btd", attn, p["wo"])
     if cfg.o_bias:
         out = out + p["bo"]
     x = x + out
     h = L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    return x + L.gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"]), k_cache, v_cache
+    return x + L.gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"]), cache
 
 
 def _qwen_sliding_layers(hf: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:

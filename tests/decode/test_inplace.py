@@ -43,15 +43,15 @@ def test_switch_out_of_range_runs_nothing_and_cond_picks_by_predicate():
     assert buffer.tolist() == [7, 7, 2, 7] and float(out) == 20.0
 
 
-CACHE = r"f32\[(\d+),(\d+),(\d+),(\d+),(\d+)\]"  # [L, B, S, K, Dh]: a KV cache (the target's or an assistant's)
+CACHE = r"f32\[(\d+),(\d+),(\d+),(\d+),(\d+)\]"  # [L, B, K, S, Dh]: a KV cache (the target's or an assistant's)
 
 
 def _caches(text: str, copies: bool) -> list[tuple[int, ...]]:
     """Whole caches of a batch of one row in optimized HLO (every layer, S >= the smallest buffer): every one, or
-    only those copied. One layer's slice ([1, ...]) is left out: attention copies it into another layout."""
+    only those copied. One layer's slice ([1, ...]) is left out: `test_attention_copies_no_layer_cache` counts those."""
     pattern = rf"= {CACHE}\{{[^}}]*\}} copy\(" if copies else CACHE
     shapes = (tuple(map(int, m)) for m in re.findall(pattern, text))
-    return [shape for shape in shapes if shape[0] > 1 and shape[1] == 1 and shape[2] >= min_buffer()]
+    return [shape for shape in shapes if shape[0] > 1 and shape[1] == 1 and shape[3] >= min_buffer()]
 
 
 @pytest.mark.parametrize("strategy", ["prompt_lookup", "speculative", "early_exit"])
@@ -67,3 +67,42 @@ def test_rounds_loop_never_copies_a_whole_cache(tiny_llama_dir, tiny_llama_draft
     (text,) = [compiled.as_text() for key, compiled in loop._compiled.items() if key[1] == "rounds"]
     assert _caches(text, copies=False)  # the caches are there ...
     assert _caches(text, copies=True) == []  # ... and never copied
+
+
+def _layer_cache_copies(text: str, layer_shape: tuple[int, ...]) -> list[str]:
+    """Copies and transposes in optimized HLO of an array with the axes of one layer's cache (`layer_shape`, unit axes
+    aside, in any order): keys or values rearranged into another layout. XLA writes a rearrangement as a transpose
+    into a layout that keeps the bytes where they are, then a copy into the layout its consumer asked for."""
+    def axes(dims):
+        return sorted(d for d in dims if d > 1)
+
+    found = re.findall(r"= f32\[([\d,]+)\]\{[^}]*\} (?:copy|transpose)\(", text)
+    return [dims for dims in found if axes(map(int, dims.split(","))) == axes(layer_shape)]
+
+
+def _tiny(family: str, folder) -> str:
+    from tests.fixtures import hf_models, moe
+
+    if family == "deepseek_v3":  # one layer: its cache stack is one layer deep (jaxspec.cache.stack_layers)
+        return moe.save_checkpoint(family, folder, 1, 0, moe.CASES["deepseek_plain"][3])
+    save = hf_models.save_tiny_gemma if family.startswith("gemma") else hf_models.save_tiny
+    return save(family, folder, seed=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "deepseek_v3"])
+def test_attention_copies_no_layer_cache(tmp_path, family):
+    """Caches are stored in the layout attention's products take (jaxspec/cache.py), so the compiled decode step
+    rearranges no layer's keys, values or latents. Stored [L, B, S, K, Dh], XLA:CPU transposed each layer's keys
+    and values into [B, K, S, Dh] and [B, K, Dh, S] in every step, and MLA's latent into [B, R, S]. (It still copies
+    each layer's slice out of the stack as it lies; benchmarks/bench_cache_layout.py counts those.) Gemma 3's
+    full-attention layer and the one-layer DeepSeek have stacks of one layer, whose write XLA:CPU fused into
+    attention's read, copying the whole stack, until stacks got a second layer (jaxspec.cache.stack_layers)."""
+    target = jaxspec.load(_tiny(family, tmp_path))
+    loop._compiled.clear()
+    jaxspec.generate(target, [[5, 6, 7, 8]], max_new_tokens=6, eos_token_id=[])
+    (text,) = [compiled.as_text() for key, compiled in loop._compiled.items() if key[1] == "rounds"]
+    cache = jax.eval_shape(lambda: target.module.init_cache(1, min_buffer()))
+    stacks = [x for x in jax.tree.leaves(cache) if x.ndim >= 4]  # [L, B, ..., S, F]: per layer, keys and values
+    assert all(f"f32[{','.join(map(str, x.shape))}]" in text for x in stacks)  # the caches are in the loop ...
+    for x in stacks:
+        assert _layer_cache_copies(text, x.shape[1:]) == []  # ... and no layer of them is rearranged

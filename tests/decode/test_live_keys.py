@@ -55,8 +55,8 @@ def test_attention_over_the_live_prefix_equals_attention_over_the_whole_cache(sm
     attend, args = ATTENTIONS[name]
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (2, 3, 4, 8))  # [B, T, H, Dh]
-    k_cache = jax.random.normal(keys[1], (2, 2, 600, 2, 8))  # [L, B, S, K, Dh]
-    v_cache = jax.random.normal(keys[2], (2, 2, 600, 2, 8))
+    k_cache = jax.random.normal(keys[1], (2, 2, 2, 600, 8))  # [L, B, K, S, Dh]
+    v_cache = jax.random.normal(keys[2], (2, 2, 2, 600, 8))
     positions = jnp.asarray(last)[:, None] + jnp.arange(-2, 1)[None, :]  # [B, T]
     expected = attend(q, k_cache[1], v_cache[1], positions, 0.3, *args)
     stacked = jax.jit(functools.partial(L.attend_live, attend, layer=1))(q, k_cache, v_cache, positions, 0.3, *args)
@@ -71,12 +71,12 @@ def test_entries_past_the_chosen_prefix_are_not_read(small_prefixes, last, exten
     attention over the prefix never sees them."""
     keys = jax.random.split(jax.random.key(1), 3)
     q = jax.random.normal(keys[0], (1, 2, 4, 8))
-    k_cache = jax.random.normal(keys[1], (1, 600, 2, 8)).at[:, extent:].set(jnp.nan)
-    v_cache = jax.random.normal(keys[2], (1, 600, 2, 8)).at[:, extent:].set(jnp.nan)
+    k_cache = jax.random.normal(keys[1], (1, 2, 600, 8)).at[:, :, extent:].set(jnp.nan)  # [B, K, S, Dh]
+    v_cache = jax.random.normal(keys[2], (1, 2, 600, 8)).at[:, :, extent:].set(jnp.nan)
     positions = jnp.asarray([[last - 2, last - 1]])
     assert np.isnan(L.cached_attention(q, k_cache, v_cache, positions, 0.3)).all()
     out = jax.jit(functools.partial(L.attend_live, L.cached_attention))(q, k_cache, v_cache, positions, 0.3)
-    expected = L.cached_attention(q, k_cache[:, :extent], v_cache[:, :extent], positions, 0.3)
+    expected = L.cached_attention(q, k_cache[:, :, :extent], v_cache[:, :, :extent], positions, 0.3)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
 

@@ -223,7 +223,7 @@ def test_block_tokens_and_cache_shape(saved):
     drafter = jaxspec.load(saved["muse"][1]).module
     assert drafter.block_tokens(jnp.array([3, 7])).tolist() == [[3] + [MASK] * (W - 1), [7] + [MASK] * (W - 1)]
     cache = drafter.init_cache(2, CACHE)
-    assert cache.k.shape == (2, 2, CACHE, 2, 8)
+    assert cache.k.shape == cache.v.shape == (2, 2, 2, CACHE, 8)  # [L, B, K, S, Dh]
 
 
 # ---------------------------------------------------------------------------------------------------------------

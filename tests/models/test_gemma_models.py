@@ -189,11 +189,11 @@ def test_gemma4_shared_kv_is_the_store_layers_cache():
     assert [cfg.kv_source(i) for i in range(5)] == [0, 1, 2, 1, 2]
     assert (cfg.kv_store_layer("sliding_attention"), cfg.kv_store_layer("full_attention")) == (1, 2)
     module = nnx.eval_shape(lambda: GemmaForCausalLM(cfg))  # no weights needed
-    cache = module.init_cache(1, 8)
+    cache = module.init_cache(1, 12)
     marked = dataclasses.replace(cache, sliding=KVCache(k=cache.sliding.k.at[1].set(7.0), v=cache.sliding.v))
-    k, _ = module.shared_kv(marked, "sliding_attention")
-    assert k.shape == (1, 8, 1, 8) and bool((k == 7.0).all())
-    assert module.shared_kv(cache, "full_attention")[0].shape == (1, 8, 1, 16)
+    k, v = module.shared_kv(marked, "sliding_attention")
+    assert k.shape == v.shape == (1, 1, 12, 8) and bool((k == 7.0).all())  # [B, K, S, Dh], the cache's layout
+    assert [x.shape for x in module.shared_kv(cache, "full_attention")] == [(1, 1, 12, 16)] * 2
 
 
 def test_gemma4_conversion_folder_restores(tmp_path, tmp_path_factory):
