@@ -51,8 +51,8 @@ class Counters:
     drafted: jax.Array  # [B] valid draft tokens proposed to each row
     accepted: jax.Array  # [B] draft tokens the target accepted
     accepted_hist: jax.Array  # [B, K+1] rounds in which a row accepted exactly i drafts
-    # [] float32: the rounds' price in plain decoding steps by the adaptive schedule's cost model (its verify width's
-    # cost, its drafter forwards, its fixed cost); 0 where the schedule prices nothing
+    # [] float32: the rounds' price in plain decoding steps by the adaptive schedule's cost model (loop.py
+    # `_priced_round`); 0 where the schedule prices nothing
     priced_steps: jax.Array
 
     @staticmethod
