@@ -8,8 +8,9 @@ same machine), so `generate` measures them, once per architecture, machine and b
 `step_costs.json` in the jaxspec cache folder (`$JAXSPEC_CACHE`, else ~/.cache/jaxspec), in milliseconds, keyed by
 machine, backend, model shape, model code, batch and width. A verify block is priced at the batch it runs: on a CPU
 a [8, 4] block costs far more plain steps than a [1, 4] block (eight rows already fill the matrix units a single
-row leaves idle), so figures measured at batch 1 would make a batch draft where it does not pay. Costs depend on shapes, not weights, so a model of the same architecture reuses
-them. A measurement compiles one forward loop per measured width and runs it a few times.
+row leaves idle), so figures measured at batch 1 would make a batch draft where it does not pay. Costs depend on
+shapes, not weights, so a model of the same architecture reuses them. A measurement compiles one forward loop per
+measured width and runs it a few times.
 
 `JAXSPEC_STEP_COSTS` chooses: `measure` (the default), `default` (the fixed figures of
 `jaxspec.schedule.default_verify_costs` and the weight-bytes ratio for an assistant: deterministic, what the test
@@ -73,15 +74,23 @@ def forward_milliseconds(model: Model, widths: tuple[int, ...], *, batch: int = 
     prefix = _key_prefix(model, verifying)
     shape = "" if batch == 1 else f"{batch}x"  # batch 1 keeps the keys it always had
     keys = {w: f"{prefix}|{shape}{w}" for w in widths}
+    stored = _stored(keys.values(), remeasure, lambda missing: {
+        keys[w]: ms for w, ms in _measure(model, tuple(w for w in widths if keys[w] in missing), verifying,
+                                          batch).items()})
+    return {w: stored[keys[w]] for w in widths}
+
+
+def _stored(keys, remeasure: bool, measure) -> dict[str, float]:
+    """{key: milliseconds} for `keys`: from the cache file, and `measure(missing keys) -> {key: ms}` for the rest,
+    which are written to it. Rounded as stored, so this call prices the schedule exactly as later ones that read the
+    file (the same costs, the same compiled loop)."""
     stored = {} if remeasure else _read_cache()
-    missing = [w for w in widths if keys[w] not in stored]
+    missing = [key for key in keys if key not in stored]
     if missing:
-        # Rounded as stored, so this call prices the schedule exactly as later ones that read the file (the same
-        # costs, the same compiled loop).
-        measured = {keys[w]: round(ms, 4) for w, ms in _measure(model, tuple(missing), verifying, batch).items()}
+        measured = {key: round(ms, 4) for key, ms in measure(missing).items()}
         _write_cache(measured)
         stored = stored | measured
-    return {w: float(stored[keys[w]]) for w in widths}
+    return {key: float(stored[key]) for key in keys}
 
 
 def cost_batch(batch: int) -> int:
@@ -127,11 +136,7 @@ def mtp_step_milliseconds(model: Model, window: int, *, batch: int = 1, remeasur
     """Milliseconds of one MTP depth step over `window` positions of `batch` rows with its draft head, from the
     cache file or measured now (`time_mtp_steps`)."""
     key = f"{_key_prefix(model, verifying=False)}|mtp|{batch}x{window}"
-    stored = {} if remeasure else _read_cache()
-    if key not in stored:
-        stored = {key: round(time_mtp_steps(model, window, batch=batch), 4)}
-        _write_cache(stored)
-    return float(stored[key])
+    return _stored([key], remeasure, lambda missing: {key: time_mtp_steps(model, window, batch=batch)})[key]
 
 
 def time_mtp_steps(model: Model, window: int, *, batch: int = 1, steps: int = STEPS, runs: int = RUNS,
@@ -157,15 +162,8 @@ def time_mtp_steps(model: Model, window: int, *, batch: int = 1, steps: int = ST
         return jax.lax.fori_loop(0, steps, step, start)
 
     run = jax.jit(loop, donate_argnums=1)
-    caches, _, checksum = run(state, model.module.init_mtp_cache(batch, cache_size, depths=1))  # compiles
-    jax.block_until_ready(checksum)
-    best = float("inf")
-    for _ in range(runs):
-        begin = time.perf_counter()
-        caches, _, checksum = run(state, caches)
-        jax.block_until_ready(checksum)
-        best = min(best, (time.perf_counter() - begin) / steps)
-    return best * 1e3
+    return _best_milliseconds(lambda caches: run(state, caches), model.module.init_mtp_cache(batch, cache_size,
+                                                                                             depths=1), steps, runs)
 
 
 def interpolate(milliseconds: dict[int, float], width: int) -> float:
@@ -214,10 +212,11 @@ def _measure(model: Model, widths: tuple[int, ...], verifying: bool, batch: int)
 
 def time_forwards(model: Model, widths: tuple[int, ...], head=None, steps: int = STEPS, runs: int = RUNS,
                   cache_size: int = CACHE_SIZE, batch: int = 1) -> dict[int, float]:
-    """Milliseconds per forward of `model` over `batch` rows for each width, with `head` ([D, V], or None: the model's own):
-    the best of `runs` timed runs of one compiled loop of `steps` forwards that writes a `cache_size` cache in place
-    from position START_POSITION on, as decoding does (the cache is donated). Timing single calls instead would add
-    a copy of the whole cache and a dispatch to every width, which hides most of the difference between widths."""
+    """Milliseconds per forward of `model` over `batch` rows for each width, with `head` ([D, V], or None: the
+    model's own): the best of `runs` timed runs of one compiled loop of `steps` forwards that writes a `cache_size`
+    cache in place from position START_POSITION on, as decoding does (the cache is donated). Timing single calls
+    instead would add a copy of the whole cache and a dispatch to every width, which hides most of the difference
+    between widths."""
     graphdef, state = nnx.split(model.module)
 
     def loop(state, head, cache, width: int):
@@ -233,18 +232,23 @@ def time_forwards(model: Model, widths: tuple[int, ...], head=None, steps: int =
         return jax.lax.fori_loop(0, steps, step, (cache, jnp.zeros((), jnp.float32)))
 
     run = jax.jit(loop, static_argnums=3, donate_argnums=2)
-    milliseconds = {}
-    for width in widths:
-        cache, checksum = run(state, head, model.module.init_cache(batch, cache_size), width)  # compiles
+    return {width: _best_milliseconds(lambda cache, width=width: run(state, head, cache, width),
+                                      model.module.init_cache(batch, cache_size), steps, runs)
+            for width in widths}
+
+
+def _best_milliseconds(run, cache, steps: int, runs: int) -> float:
+    """Milliseconds per step of `run(cache) -> (cache, ..., checksum)`, a compiled loop of `steps` steps that
+    updates the donated `cache` in place: the best of `runs` timed calls after one that compiles."""
+    cache, *_, checksum = run(cache)  # compiles
+    jax.block_until_ready(checksum)
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        cache, *_, checksum = run(cache)
         jax.block_until_ready(checksum)
-        best = float("inf")
-        for _ in range(runs):
-            start = time.perf_counter()
-            cache, checksum = run(state, head, cache, width)
-            jax.block_until_ready(checksum)
-            best = min(best, (time.perf_counter() - start) / steps)
-        milliseconds[width] = best * 1e3
-    return milliseconds
+        best = min(best, (time.perf_counter() - start) / steps)
+    return best * 1e3
 
 
 def weight_bytes(module) -> int:

@@ -309,10 +309,7 @@ def _priced_round(drafter: Drafter, count) -> jax.Array:
     schedule = getattr(drafter, "schedule", None)
     if schedule is None or not schedule.verify_costs:
         return jnp.zeros((), jnp.float32)
-    drafts = jnp.max(count)
-    width_index = jnp.searchsorted(jnp.asarray(schedule.widths), drafts + 1)
-    return (jnp.asarray(schedule.verify_costs, jnp.float32)[width_index] + schedule.draft_cost * drafts
-            + schedule.round_cost * (drafts > 0))
+    return schedule.round_price(jnp.max(count))
 
 
 def _maybe(fn, x):

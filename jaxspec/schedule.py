@@ -144,10 +144,15 @@ class Schedule:
         return jnp.asarray(self.widths)[jnp.argmax(tokens / self.round_costs())] - 1
 
     def round_costs(self) -> jax.Array:
-        """[N] the cost of a round at each verify width, in plain steps: its verify block, a draft per token it
-        holds, and the fixed cost of a drafting round."""
-        drafts = jnp.asarray(self.widths, jnp.float32) - 1
-        return jnp.asarray(self.verify_costs, jnp.float32) + self.draft_cost * drafts + self.round_cost * (drafts > 0)
+        """[N] the cost of a round at each verify width, in plain steps, holding as many drafts as it can."""
+        return self.round_price(jnp.asarray(self.widths) - 1)
+
+    def round_price(self, drafts: jax.Array) -> jax.Array:
+        """The cost in plain steps of a round whose longest row drafts `drafts` (any shape): the verify block of the
+        narrowest width that holds them, a draft cost per draft, and the fixed cost of a drafting round."""
+        width_index = jnp.searchsorted(jnp.asarray(self.widths), drafts + 1)
+        return (jnp.asarray(self.verify_costs, jnp.float32)[width_index] + self.draft_cost * drafts
+                + self.round_cost * (drafts > 0))
 
     def update(self, state: DraftLength, result: RoundResult, cap: int) -> DraftLength:
         """`cap`: K, the static size of the draft buffer."""
