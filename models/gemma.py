@@ -55,6 +55,7 @@ state wrote them (only runs that stop before the last layer write them). It alwa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -514,13 +515,12 @@ class GemmaForCausalLM(nnx.Module):
         cfg = self.cfg
         stop = cfg.num_layers if stop is None else stop
         x, per_layer, cache = self._split_per_layer_inputs(x, positions, cache, start, stop)
-        inv_freq = {t: cfg.sliding.rope.inv_freq(cfg.sliding.head_dim) if t == SLIDING
-                    else cfg.full.rope.inv_freq(cfg.full.head_dim) for t in set(cfg.layer_types)}
         stacks = {SLIDING: cache.sliding, FULL: cache.full}
         for index in range(start, stop):
             p = self.layers[index].params()
             layer_input = None if per_layer is None else per_layer[..., index, :]
-            x, stacks = _decoder_layer(cfg, p, x, layer_input, positions, stacks, index, inv_freq)
+            x, stacks = _layer_call(cfg, p, x, layer_input, positions, stacks, cfg.cache_slot(index),
+                                    cfg.layer_types[index], cfg.computes_kv(index), cfg.has_value_proj(index))
         return x, dataclasses.replace(cache, sliding=stacks[SLIDING], full=stacks[FULL])
 
     def _split_per_layer_inputs(self, x, positions, cache: GemmaCache, start: int, stop: int):
@@ -589,27 +589,41 @@ def _scale(value: float, dtype) -> jax.Array:
     return jnp.asarray(np.float32(value)).astype(dtype)
 
 
-def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, index, inv_freq):
+@functools.partial(jax.jit, static_argnames=("cfg", "layer_type", "computes_kv", "value_proj"))
+def _layer_call(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, slot, layer_type: str, computes_kv: bool,
+                value_proj: bool):
+    """One Gemma block as a call that every layer of the same kind and shapes shares (`slot`, its cache slot, is
+    traced), so an unrolled forward traces and lowers it once per kind, not once per layer (llama's `_layer_call`
+    says why; XLA inlines it again)."""
+    kind = cfg.sliding if layer_type == SLIDING else cfg.full
+    inv_freq = kind.rope.inv_freq(kind.head_dim)
+    return _decoder_layer(cfg, p, x, per_layer_input, positions, stacks, slot, layer_type, computes_kv, value_proj,
+                          inv_freq)
+
+
+def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, slot, layer_type: str,
+                   computes_kv: bool, value_proj: bool, inv_freq):
     """One Gemma block: norm -> attention -> norm, residual; norm -> MLP -> norm, residual; then Gemma 4's per-layer
-    input and layer scalar. stacks: {layer type: KVCache [L_type, B, K, S, Dh]}."""
+    input and layer scalar. stacks: {layer type: KVCache [L_type, B, K, S, Dh]}; `slot`: the cache slot the layer
+    writes (if `computes_kv`) and reads, in its type's stack; `value_proj`: whether it projects values (else its raw
+    keys are its values, Gemma 4's k_eq_v)."""
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
-    layer_type = cfg.layer_types[index]
-    kind = cfg.kind(index)
+    kind = cfg.sliding if layer_type == SLIDING else cfg.full
 
     h = L.gemma_rms_norm(x, p["attn_norm"], eps, offset)
     q = I.project("btd,dhk->bthk", h, p["wq"])  # [B, T, H, Dh]
     if cfg.qk_norm:
         q = L.gemma_rms_norm(q, p["q_norm"], eps, offset)
-    q = L.apply_rope(q, positions, inv_freq[layer_type])
-    stack, slot = stacks[layer_type], cfg.cache_slot(index)
-    if cfg.computes_kv(index):
+    q = L.apply_rope(q, positions, inv_freq)
+    stack = stacks[layer_type]
+    if computes_kv:
         k = I.project("btd,dhk->bthk", h, p["wk"])  # [B, T, K, Dh]
-        v = I.project("btd,dhk->bthk", h, p["wv"]) if cfg.has_value_proj(index) else k  # k_eq_v: raw keys
+        v = I.project("btd,dhk->bthk", h, p["wv"]) if value_proj else k  # k_eq_v: raw keys
         if cfg.qk_norm:
             k = L.gemma_rms_norm(k, p["k_norm"], eps, offset)
         if cfg.v_norm:
             v = L.gemma_rms_norm(v, None, eps)
-        k = L.apply_rope(k, positions, inv_freq[layer_type])
+        k = L.apply_rope(k, positions, inv_freq)
         stack = write_kv(stack, slot, positions, k, v)
         stacks = stacks | {layer_type: stack}
     attn = L.attend_live(L.windowed_attention, q, stack.k, stack.v, positions, cfg.query_scale, kind.window,

@@ -10,6 +10,7 @@ static range of that loop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -261,10 +262,9 @@ class LlamaForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:
         """Run decoder layers [start, stop) on x: [B, T, D], writing their cache entries at `positions`."""
         stop = self.cfg.num_layers if stop is None else stop
-        inv_freq = self.cfg.inv_freq()
         for index in range(start, stop):
             p = self.layers[index].params()
-            x, cache = _decoder_layer(self.cfg, p, x, positions, cache, index, inv_freq, window=self.cfg.window(index))
+            x, cache = _layer_call(self.cfg, p, x, positions, cache, index, window=self.cfg.window(index))
         return x, cache
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
@@ -319,8 +319,7 @@ class LlamaForCausalLM(nnx.Module):
         e = L.rms_norm(self.embed_tokens(tokens), p["enorm"], eps)
         h = L.rms_norm(prev_hidden.astype(e.dtype), p["hnorm"], eps)
         x = jnp.concatenate([e, h], axis=-1) @ p["eh_proj"]  # [B, T, D]
-        x, mtp_cache = _decoder_layer(self.cfg, p, x, positions, mtp_cache, depth, self.cfg.inv_freq(),
-                                      first=depth + 1)
+        x, mtp_cache = _layer_call(self.cfg, p, x, positions, mtp_cache, depth, first=depth + 1)
         out = L.rms_norm(x, p["out_norm"], eps)
         return out, self.logits(out), mtp_cache
 
@@ -356,6 +355,18 @@ class LlamaForCausalLM(nnx.Module):
                 f"MTP depth {depth} does not exist: config.json sets num_nextn_predict_layers="
                 f"{self.cfg.num_mtp_layers} (an absent key reads as 0)."
             )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "first", "window"))
+def _layer_call(cfg: LlamaConfig, p, x, positions, cache: KVCache, index, first: int = 0, window: int | None = None
+                ) -> tuple[jax.Array, KVCache]:
+    """`_decoder_layer` as one call that every layer of the same shapes shares, `index` a traced layer number.
+
+    An unrolled forward otherwise traces and lowers the block once per layer, per verify width and per branch: 240
+    blocks for SmolLM2's prompt-lookup loop. A call is traced and lowered once per distinct shape, and XLA inlines
+    it again (the layer number becomes a constant), so the compiled step is the unrolled one.
+    """
+    return _decoder_layer(cfg, p, x, positions, cache, index, cfg.inv_freq(), first=first, window=window)
 
 
 def _decoder_layer(cfg: LlamaConfig, p, x, positions, cache: KVCache, index, inv_freq, first: int = 0,
