@@ -64,6 +64,96 @@ def test_greedy_equals_transformers_dflash(pair):
     np.testing.assert_array_equal(out.sequences, expected.numpy())
 
 
+@pytest.fixture(scope="module")
+def agreeing_pair(pair, tmp_path_factory):
+    """The random drafter with its layers' output projections scaled by 0.2, so that its drafts lean on the embedding
+    of its mask token, 40, whose drafts the target often emits after PROMPTS[2] (token 78, 7 times in 24): rounds
+    then accept 0, 1 or more drafts, and the accepted counts say something."""
+    target, _, hf_target, _ = pair
+    reference = dflash_fixtures.muse(DRAFTER | {"mask_token_id": 40}, seed=3)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.mul_(0.2)
+    folder = tmp_path_factory.mktemp("dflash_agreeing")
+    reference.save_pretrained(folder)
+    return target, jaxspec.load(str(folder)), hf_target, reference
+
+
+def test_drafted_blocks_and_accepted_counts_equal_transformers(agreeing_pair, monkeypatch):
+    """Round by round, greedy: the block jaxspec drafts and the drafts verification accepts equal what transformers'
+    `DFlashTokenCandidateGenerator` proposes and `_assisted_decoding` accepts (its first iteration is the prefill's
+    plain step, as jaxspec's prefill is)."""
+    from transformers.generation import candidate_generator
+
+    target, drafter, hf_target, hf_drafter = agreeing_pair
+    hf_generator = candidate_generator.DFlashTokenCandidateGenerator
+    hf_events = []
+    real_candidates = hf_generator.get_candidates
+    real_update = hf_generator.update_candidate_strategy
+
+    def get_candidates(self, input_ids, *args, **kwargs):
+        ids, logits = real_candidates(self, input_ids, *args, **kwargs)
+        if logits is not None:
+            hf_events.append(("drafts", ids[0, input_ids.shape[1]:].tolist()))
+        return ids, logits
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        hf_events.append(("accepted", int(num_matches)))
+        return real_update(self, input_ids, scores, num_matches)
+
+    monkeypatch.setattr(hf_generator, "get_candidates", get_candidates)
+    monkeypatch.setattr(hf_generator, "update_candidate_strategy", update_candidate_strategy)
+    ids = torch.tensor(PROMPTS[2:])
+    with torch.no_grad():
+        hf_target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=hf_drafter,
+                           speculation_type="dflash", max_new_tokens=24, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    # A round is a drafted block and the count accepted from it; the first iteration drafts nothing.
+    hf_rounds = [(drafts, accepted) for (kind, drafts), (_, accepted) in zip(hf_events, hf_events[1:])
+                 if kind == "drafts"]
+
+    jax_events = []
+    real_block, real_update_state = dflash_strategy.BlockDrafter._draft_block, dflash_strategy.BlockDrafter.update
+
+    def record_drafts(tokens, count):
+        jax_events.append(("drafts", tokens[0, : count[0]].tolist()))
+
+    def record_accepted(accepted):
+        jax_events.append(("accepted", int(accepted[0])))
+
+    def draft_block(self, ctx, loop_state, cache, limit, rng):
+        draft = real_block(self, ctx, loop_state, cache, limit, rng)
+        jax.debug.callback(record_drafts, draft.tokens, draft.count, ordered=True)
+        return draft
+
+    def update(self, ctx, state, result):
+        jax.debug.callback(record_accepted, result.accepted, ordered=True)
+        return real_update_state(self, ctx, state, result)
+
+    monkeypatch.setattr(dflash_strategy.BlockDrafter, "_draft_block", draft_block)
+    monkeypatch.setattr(dflash_strategy.BlockDrafter, "update", update)
+    loop._compiled.clear()
+    try:
+        jaxspec.generate(target, PROMPTS[2:], max_new_tokens=24, eos_token_id=[], assistant_model=drafter,
+                         num_assistant_tokens_schedule="constant")
+    finally:
+        loop._compiled.clear()  # the recording loop must not serve a later test
+    jax.effects_barrier()
+    jax_rounds = [(drafts, accepted) for (kind, drafts), (_, accepted) in zip(jax_events, jax_events[1:])
+                  if kind == "drafts"]
+    accepted_counts = {accepted for _, accepted in hf_rounds}
+    assert len(hf_rounds) >= 10 and 0 in accepted_counts and len(accepted_counts) >= 3, hf_rounds
+    assert len(jax_rounds) == len(hf_rounds)
+    generated = 1  # the prefill's token
+    for index, ((drafts, accepted), (hf_drafts, hf_accepted)) in enumerate(zip(jax_rounds, hf_rounds)):
+        assert (drafts, accepted) == (hf_drafts[: len(drafts)], hf_accepted), index
+        # jaxspec drafts no further than the budget's end (the drafts and the target's token must fit in it);
+        # transformers drafts its whole block there too, and drops what lies past the budget after verifying it
+        assert len(drafts) == min(len(hf_drafts), 24 - generated - 1), index
+        generated += accepted + 1
+
+
 def _sampled_first_tokens(target, drafter, rows: int):
     prompt = PROMPTS[2]
     out = jaxspec.generate(target, [prompt] * rows, max_new_tokens=4, do_sample=True, temperature=TEMPERATURE, top_k=0,
