@@ -18,7 +18,7 @@ from _bench_prompts import PROMPTS, RANDOM_PROMPT_LENGTHS
 from _bench_timing import Call, CallFn
 
 STRATEGIES = ("greedy", "speculative", "speculative-self", "prompt_lookup", "early_exit", "universal",
-              "speculative-int8", "universal-int8", "mtp")
+              "speculative-int8", "universal-int8", "mtp", "dflash")
 # `speculative-int8` and `universal-int8`: the same assistant with int8 weights and activations (jaxspec.quantize).
 # jaxspec only: transformers' assisted generate has no int8 CPU assistant to compare with.
 INT8 = "-int8"
@@ -26,7 +26,11 @@ INT8 = "-int8"
 # and attaches when it loads the model by name). jaxspec only: transformers runs MTP for DeepSeek-V3-style
 # checkpoints alone, not for the Llama/Qwen2 targets that jaxspec attaches trained layers to.
 MTP = "mtp"
-JAXSPEC_ONLY = (MTP,)  # besides the -int8 strategies
+# `dflash`: the DFlash drafter jaxspec ships for a catalogue model (`CatalogEntry.dflash_asset`). jaxspec only: it is
+# saved in z-lab's `DFlashDraftModel` layout, which transformers' `speculation_type="dflash"` does not load (it runs
+# its own muse_glimmer_assistant layout; tests/strategies/test_dflash.py compares the two on that layout).
+DFLASH = "dflash"
+JAXSPEC_ONLY = (MTP, DFLASH)  # besides the -int8 strategies
 
 # Random Llama configs. 49152 is the SmolLM2 vocabulary, so its tokenizer's ids are valid prompts for them too.
 RANDOM_COMMON = dict(
@@ -87,6 +91,7 @@ class ModelSource:
     # set), and that set's name; None where the model has none.
     mtp_path: str | None = None
     mtp_asset: str | None = None
+    dflash_path: str | None = None  # `dflash`: the shipped drafter's name (jaxspec.load takes it), if any
 
 
 @dataclasses.dataclass
@@ -156,7 +161,8 @@ def resolve_source(name: str, workdir: str, universal_assistant: str | None = No
             pass
     asset = catalog.get_entry(name).mtp_asset
     return ModelSource(name, "catalog", path, assistant, read_gguf(path).hf_config["num_hidden_layers"], universal,
-                       mtp_path=name if asset else None, mtp_asset=asset)
+                       mtp_path=name if asset else None, mtp_asset=asset,
+                       dflash_path=catalog.shipped_dflash_drafter(name))
 
 
 def prompt_tokenizer(source: ModelSource, jaxspec_model):
@@ -242,6 +248,12 @@ def plan_for(strategy: str, source: ModelSource, s: DraftSettings) -> Plan | str
         # K: the asset's recommended draft length (use_mtp's default); the schedule as the other strategies run it.
         return Plan(strategy, f"{source.mtp_asset} K=its default {s.schedule}", MTP,
                     {"use_mtp": True, "num_assistant_tokens_schedule": s.schedule}, {})
+    if strategy == DFLASH:
+        if source.dflash_path is None:
+            return "no DFlash drafter for this model (the catalogue ships none)"
+        # K: the block's drafts (block_size - 1); the schedule as the other strategies run it.
+        return Plan(strategy, f"{source.dflash_path} K=its block {s.schedule}", DFLASH, {}, {},
+                    {"num_assistant_tokens_schedule": s.schedule})
     if strategy == "early_exit":
         if not 1 <= s.early_exit < source.num_layers:
             return f"early exit {s.early_exit} is not inside 1..{source.num_layers - 1}"

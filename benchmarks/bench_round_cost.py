@@ -14,6 +14,8 @@ median of `--repeats` calls, interleaved) and the ratio to plain decoding, side 
 - `--assistant`: rounds of that real assistant drafting d tokens each (constant schedule, no confidence stop; another
   tokenizer runs universal decoding). A round's cost minus the fixed-draft round of the same d is what the assistant's
   d drafts cost, in plain steps of the target: the figure the adaptive schedule prices as `draft_cost` per draft.
+  A DFlash drafter (`--assistant smollm2-135m-dflash --assistant-drafts 1,3,7`) drafts a block in one forward
+  whatever d is: the difference is that forward, the schedule's `round_cost`.
 
 The table also goes to a JSON record in `--results` (benchmarks/_record.py). Run it as a script, as above: its
 siblings in benchmarks/ (the prompt set, the record) import because Python puts the script's folder on sys.path.
@@ -80,11 +82,15 @@ def main(argv=None) -> None:
         return (out.decode_seconds - out.prefill_seconds) / out.rounds, out.accepted_hist.sum()
 
     if args.assistant:
+        from jaxspec.strategies.dflash import is_block_drafter
+
         assistant = jaxspec.load(args.assistant)
+        # A DFlash drafter drafts its block in one forward and has no confidence stop to turn off.
+        no_confidence_stop = {} if is_block_drafter(assistant) else {"assistant_confidence_threshold": 0.0}
         for d in (int(x) for x in args.assistant_drafts.split(",")):
             drafters[f"{args.assistant}, {d} draft(s)"] = dict(
                 assistant_model=assistant, num_assistant_tokens=d, num_assistant_tokens_schedule="constant",
-                assistant_confidence_threshold=0.0)
+                **no_confidence_stop)
 
     for drafter in drafters.values():
         per_round(drafter)  # compile

@@ -12,8 +12,9 @@ from .loading import Model, convert, default_dtype
 
 
 def load(path: str, dtype: Any = None, progress: bool = False, *, mesh=None, sharding_rules=None) -> Model:
-    """Load an HF folder (config.json + model.safetensors or a sharded index), a `.gguf` file, a catalogue name or
-    a conversion folder written by `scripts/convert.py` (see `jaxspec.checkpoint`).
+    """Load an HF folder (config.json + model.safetensors or a sharded index), a `.gguf` file, a catalogue name, a
+    drafter shipped for a catalogue model (`"smollm2-135m-dflash"`, in jaxspec/assets) or a conversion folder written
+    by `scripts/convert.py` (see `jaxspec.checkpoint`).
 
     Every tensor is used or explicitly ignored; a missing, extra or mis-shaped tensor raises an error naming it.
     A catalogue name is converted once and then restored from the conversion cache; a conversion folder is
@@ -24,6 +25,10 @@ def load(path: str, dtype: Any = None, progress: bool = False, *, mesh=None, sha
     its own devices hold; pass the same mesh to `generate`. MoE layers then run expert-parallel.
     """
     path = os.fspath(path)
+    if catalog.is_shipped_drafter(path) and not os.path.exists(path):
+        from .assets import asset_folder
+
+        path = asset_folder(path)
     if catalog.is_catalog_name(path):
         return checkpoint.load_cached(path, _dtype_or_default(dtype), progress, mesh=mesh, sharding_rules=sharding_rules)
     if checkpoint.is_converted(path):

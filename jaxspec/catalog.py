@@ -32,7 +32,9 @@ class CatalogEntry:
     in concatenation order. Every import name must belong to one requirement (same name once `-` becomes `_`),
     so a missing package can be reported with the pip command that installs it. A single part is used in
     place rather than copied. `mtp_asset` names trained MTP layers shipped in jaxspec/assets that loading the
-    entry attaches (`--strategy mtp` then works out of the box; plain decoding is unaffected).
+    entry attaches (`--strategy mtp` then works out of the box; plain decoding is unaffected). `dflash_asset` names
+    a DFlash drafter shipped there, a checkpoint of its own that `jaxspec.load(dflash_asset)` loads and that
+    `--strategy dflash` drafts with when no `--assistant` is given.
     """
 
     name: str
@@ -43,6 +45,7 @@ class CatalogEntry:
     gguf_filename: str
     licence: str
     mtp_asset: str | None = None
+    dflash_asset: str | None = None
 
     @property
     def single_file(self) -> bool:
@@ -72,6 +75,7 @@ CATALOG: dict[str, CatalogEntry] = {
             gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             licence="Apache-2.0",
             mtp_asset="smollm2-135m-mtp",  # 3 MTP layers trained by scripts/train_mtp.py (jaxspec/assets)
+            dflash_asset="smollm2-135m-dflash",  # a DFlash drafter trained by scripts/train_dflash.py
         ),
         CatalogEntry(
             name="qwen2.5-coder-0.5b",
@@ -124,6 +128,18 @@ def cache_root() -> str:
 def is_catalog_name(name: str) -> bool:
     """Whether `name` is a catalogue short name (as opposed to a path to a checkpoint)."""
     return name in CATALOG
+
+
+def is_shipped_drafter(name: str) -> bool:
+    """Whether `name` is a drafter checkpoint shipped in jaxspec/assets for a catalogue model (`dflash_asset`)."""
+    return any(entry.dflash_asset == name for entry in CATALOG.values())
+
+
+def shipped_dflash_drafter(model: str) -> str | None:
+    """The name of the DFlash drafter shipped for catalogue model `model` (None: none is, or not a catalogue name);
+    `jaxspec.load` takes it."""
+    entry = CATALOG.get(model)
+    return entry.dflash_asset if entry is not None else None
 
 
 def get_entry(name: str) -> CatalogEntry:

@@ -102,7 +102,8 @@ def cost_batch(batch: int) -> int:
 def price_schedule(drafter, target: Model, assistant: Model | None, batch: int = 1):
     """`drafter` with its adaptive schedule priced by step costs measured at the call's batch (`cost_batch`): each
     verify width's forward over a plain step's, and, for an assistant that drafts one token per forward, its forward
-    over the target's; an MTP draft, one depth step over its window timed the same way. Early exit keeps its draft
+    over the target's; an MTP draft, one depth step over its window timed the same way; a DFlash round, its drafting
+    work (`time_block_drafts`) as the schedule's `round_cost`. Early exit keeps its draft
     cost, a share of the target's weights (E of L layers and the head: large blocks, whose bytes say what they
     cost); copied drafts (prompt lookup) cost nothing. Unchanged where the schedule is not adaptive, where
     `JAXSPEC_STEP_COSTS=default`, and for sharded or multi-process runs."""
@@ -121,14 +122,17 @@ def price_schedule(drafter, target: Model, assistant: Model | None, batch: int =
     # met a busier machine for the narrower block, and is raised to it rather than stored as a bargain.
     relative = np.maximum.accumulate([interpolate(target_ms, w) / target_ms[1] for w in schedule.widths])
     verify_costs = tuple(round(float(cost), 2) for cost in relative)
-    draft_cost = schedule.draft_cost
-    if drafter.drafts_with_assistant_forwards and assistant is not target:
+    draft_cost, round_cost = schedule.draft_cost, schedule.round_cost
+    if drafter.drafts_with_block_forward:
+        block_ms = block_draft_milliseconds(target, assistant, drafter.max_draft, batch=rows, remeasure=remeasure)
+        round_cost = round(block_ms / target_ms[1], 3)
+    elif drafter.drafts_with_assistant_forwards and assistant is not target:
         assistant_ms = forward_milliseconds(assistant, (1,), batch=rows, verifying=False, remeasure=remeasure)[1]
         draft_cost = round(assistant_ms / target_ms[1], 3)
     elif drafter.drafts_with_mtp_steps:
         window = drafter.max_draft + 1  # each depth runs over the last K + 1 positions (jaxspec/strategies/mtp.py)
         draft_cost = round(mtp_step_milliseconds(target, window, batch=rows, remeasure=remeasure) / target_ms[1], 3)
-    priced = dataclasses.replace(schedule, verify_costs=verify_costs, draft_cost=draft_cost)
+    priced = dataclasses.replace(schedule, verify_costs=verify_costs, draft_cost=draft_cost, round_cost=round_cost)
     return dataclasses.replace(drafter, schedule=priced)
 
 
@@ -164,6 +168,53 @@ def time_mtp_steps(model: Model, window: int, *, batch: int = 1, steps: int = ST
     run = jax.jit(loop, donate_argnums=1)
     return _best_milliseconds(lambda caches: run(state, caches), model.module.init_mtp_cache(batch, cache_size,
                                                                                              depths=1), steps, runs)
+
+
+def block_draft_milliseconds(target: Model, drafter: Model, drafts: int, *, batch: int = 1,
+                             remeasure: bool = False) -> float:
+    """Milliseconds of one DFlash drafting round's own work for `batch` rows and `drafts` drafts, from the cache file
+    or measured now (`time_block_drafts`)."""
+    drafter_prefix = _key_prefix(drafter, verifying=False)
+    key = (f"{_key_prefix(target, verifying=True)}|block|{hashlib.sha256(drafter_prefix.encode()).hexdigest()[:16]}"
+           f"|{batch}x{drafts}")
+    return _stored([key], remeasure, lambda missing: {key: time_block_drafts(target, drafter, drafts, batch=batch)})[key]
+
+
+def time_block_drafts(target: Model, drafter: Model, drafts: int, *, batch: int = 1, steps: int = STEPS,
+                      runs: int = RUNS, cache_size: int = CACHE_SIZE) -> float:
+    """Milliseconds per DFlash drafting round as jaxspec/strategies/dflash.py runs one: the last round's K + 1 tapped
+    states projected and written into the drafter's context cache, one drafter forward over its block, and the
+    target's head (as verification holds it) over the `drafts` drafting positions. Besides the drafter's weights, a
+    block reads the whole head: on a small target that is a fifth of a step, which the drafter's weight share
+    leaves out."""
+    target_graphdef, target_state = nnx.split(target.module)
+    drafter_graphdef, drafter_state = nnx.split(drafter.module)
+    head = verify_head(target, target_state, None)
+    features = len(drafter.module.cfg.target_layer_ids) * target.config.hidden_size
+
+    def loop(target_state, drafter_state, head, cache):
+        target_module = nnx.merge(target_graphdef, target_state)
+        module = nnx.merge(drafter_graphdef, drafter_state)
+        head = target_module.head_matrix() if head is None else head
+
+        def step(i, carry):
+            cache, checksum = carry
+            start = START_POSITION + i * (drafts + 1)
+            written = jnp.broadcast_to(start - drafts - 1 + jnp.arange(drafts + 1), (batch, drafts + 1))
+            context = module.project_context(jnp.ones((batch, drafts + 1, features), target.dtype))
+            cache = module.write_context(context, written, cache)
+            block = module.block_tokens(jnp.ones((batch,), jnp.int32))  # [B, W]
+            embedded = target_module.embed_tokens(block)[..., : target.config.hidden_size]
+            positions = start - 1 + jnp.arange(block.shape[1])[None, :] + jnp.zeros((batch, 1), jnp.int32)
+            hidden = module.draft_block(embedded, positions, cache, jnp.full((batch,), start - 1, jnp.int32))
+            logits = module.logits(hidden[:, 1:drafts + 1], head)  # [B, K, V]
+            return cache, checksum + jnp.argmax(logits, axis=-1).sum().astype(jnp.float32)
+
+        return jax.lax.fori_loop(0, steps, step, (cache, jnp.zeros((), jnp.float32)))
+
+    run = jax.jit(loop, donate_argnums=3)
+    return _best_milliseconds(lambda cache: run(target_state, drafter_state, head, cache),
+                              drafter.module.init_cache(batch, cache_size), steps, runs)
 
 
 def interpolate(milliseconds: dict[int, float], width: int) -> float:

@@ -1,4 +1,4 @@
-"""Trained MTP layers shipped inside the package, and how a loaded model gets them.
+"""Trained drafters shipped inside the package (MTP layers, a DFlash drafter), and how a loaded model gets them.
 
 An asset is a folder here with `config.json` (the keys it adds to the model's config: `num_nextn_predict_layers`,
 `draft_vocab_size`, optionally `mtp_num_assistant_tokens`, the draft length `use_mtp` uses when `generate` is given
@@ -6,6 +6,10 @@ none, and `base`, the catalogue entry it was trained for) and `model.safetensors
 tensors, in the layout of an HF checkpoint with MTP layers (`model.layers.{N + k}.*`, DeepSeek-V3's names, and
 `model.draft_vocab`). A catalogue entry names its asset (`CatalogEntry.mtp_asset`); loading that entry attaches it
 (`attach_mtp_asset`). The target's own weights are untouched, so plain decoding is unaffected.
+
+A DFlash drafter shipped here (`CatalogEntry.dflash_asset`) is a checkpoint of its own, in z-lab's `DFlashDraftModel`
+layout (config.json, model.safetensors, training.json with its recipe and held-out acceptance): `jaxspec.load` takes
+its folder's name, and `--strategy dflash` drafts with it when no `--assistant` is given.
 """
 
 from __future__ import annotations

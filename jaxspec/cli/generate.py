@@ -6,6 +6,7 @@
     jaxspec-generate --model qwen2.5-coder-0.5b --strategy universal --assistant smollm2-135m
     jaxspec-generate --model PATH --strategy prompt_lookup --prompt-lookup-num-tokens 10 --json
     jaxspec-generate --model DEEPSEEK_OR_GLM_FOLDER --strategy mtp
+    jaxspec-generate --strategy dflash            # smollm2-135m's shipped DFlash drafter (else --assistant PATH)
     jaxspec-generate --model GEMMA4_FOLDER --strategy mtp_drafter --assistant GEMMA4_ASSISTANT_FOLDER
     jaxspec-generate --model DEEPSEEK_FOLDER --strategy mtp --distributed --mesh data=1,model=8,expert=4
 
@@ -90,6 +91,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             users = [other.name for other in STRATEGIES if name in other.option_names]
             p.error(f"{OPTIONS[name].cli_flag} is not used by --strategy {args.strategy} (it is an option of "
                     f"{', '.join(users)})")
+    if row.name == "dflash" and args.assistant_model is None:  # the drafter shipped for a catalogue model
+        from jaxspec.catalog import shipped_dflash_drafter
+
+        args.assistant_model = shipped_dflash_drafter(args.model)
+        if args.assistant_model is None:
+            p.error(f"--strategy dflash needs --assistant PATH: jaxspec ships a DFlash drafter only for "
+                    f"{', '.join(_models_with_dflash_drafters())}, not for {args.model}")
     selector = OPTIONS.get(row.selected_by)
     if selector is not None and selector.type is not None and selector.default is None and \
             getattr(args, selector.name) is None:
@@ -97,6 +105,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.assistant_quantization and args.assistant_model is None:
         p.error("--assistant-quantization quantizes the --assistant of a strategy that drafts with one")
     return args
+
+
+def _models_with_dflash_drafters() -> list[str]:
+    from jaxspec.catalog import CATALOG
+
+    return [entry.name for entry in CATALOG.values() if entry.dflash_asset]
 
 
 def given_options(args) -> dict:

@@ -188,6 +188,9 @@ class Drafter:
     # Whether each draft is one MTP depth step of the target over a window of K + 1 positions: then costs.py times
     # that step (its weight share says far less on a CPU, where a thin layer's fixed costs dominate its bytes).
     drafts_with_mtp_steps = False
+    # Whether a round's drafts come from one forward of a block drafter (DFlash): then costs.py times that round's
+    # drafting work (its context write, the block forward, the target's head over the drafts) as `round_cost`.
+    drafts_with_block_forward = False
     # Decoder layers (0-based, ascending) whose outputs the drafter reads (block and EAGLE-style drafters): the loop
     # taps them in every target forward and hands them over with the prompt's chunks and each verified round.
     feature_layers: tuple[int, ...] = ()

@@ -48,6 +48,7 @@ class BlockState:
 class BlockDrafter(Drafter):
     schedule: Schedule = Schedule()
     keep_probs: bool = False
+    drafts_with_block_forward = True
     # The context's layers in the drafter's order (target_layer_ids); feature_layers holds them sorted and unique,
     # as the loop taps them. `final_layer`: the target's last layer, whose tap enters the context final-normed
     # (transformers' hidden_states[-1] is).
@@ -151,7 +152,8 @@ def build(request: BuildRequest) -> StrategyChoice:
                          f"(block_size {cfg.block_size}).")
     kind = schedule_kind(request.options.get("num_assistant_tokens_schedule") or "adaptive", ("adaptive", "constant"),
                          "DFlash")
-    # A block costs one drafter forward (memory-bound: its weights' share of a target step), however long it is.
+    # A block costs one drafter forward, however long it is: its weights' share of a target step where nothing is
+    # measured (jaxspec/costs.py times the round's drafting work otherwise, the target's head over the drafts too).
     block_cost = weight_bytes(drafter_model.module) / weight_bytes(target.module)
     schedule = make_schedule(kind, drafts, drafts, draft_cost=0.0, round_cost=block_cost)
     drafter = BlockDrafter(max_draft=drafts, schedule=schedule, keep_probs=request.keep_probs,

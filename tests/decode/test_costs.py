@@ -176,3 +176,24 @@ def test_an_mtp_draft_is_priced_by_timing_its_depth_step(measuring, tmp_path_fac
     assert priced.draft_cost == 0.75  # 7.5 ms of a 10 ms step
     monkeypatch.setattr(costs, "time_mtp_steps", lambda *args, **kwargs: pytest.fail("timed again"))
     assert costs.price_schedule(drafter, target, None).schedule == priced
+
+
+def test_a_dflash_round_is_priced_by_timing_its_drafting_work(measuring, pair, tmp_path_factory, monkeypatch):
+    """A DFlash round's drafting work (the context write, the block forward and the target's head over the drafts)
+    is timed once as the schedule's round cost; the drafter's weight share alone leaves out the head it reads."""
+    from tests.fixtures import dflash as dflash_fixtures
+    from tests.strategies.test_dflash import DRAFTER
+
+    target, _ = pair
+    folder = str(tmp_path_factory.mktemp("dflash_costs"))
+    dflash_fixtures.muse(DRAFTER, seed=3).save_pretrained(folder)
+    block_drafter = jaxspec.load(folder)
+    drafter = choose_strategy(target, DraftingConfig(assistant_model=block_drafter), do_sample=False).drafter
+    assert drafter.drafts_with_block_forward and drafter.max_draft == DRAFTER["block_size"] - 1
+    assert costs.time_block_drafts(target, block_drafter, drafter.max_draft, runs=1) > 0  # the real round runs
+    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, head=None, batch=1: {w: 10.0 for w in widths})
+    monkeypatch.setattr(costs, "time_block_drafts", lambda target, drafter, drafts, batch=1: 4.0)
+    priced = costs.price_schedule(drafter, target, block_drafter).schedule
+    assert (priced.round_cost, priced.draft_cost) == (0.4, 0.0)
+    monkeypatch.setattr(costs, "time_block_drafts", lambda *args, **kwargs: pytest.fail("timed again"))
+    assert costs.price_schedule(drafter, target, block_drafter).schedule == priced

@@ -68,6 +68,16 @@ def test_speculative_needs_an_assistant(cli, folder):
         cli.parse_args(["--model", folder, "--strategy", "speculative"])
 
 
+def test_dflash_drafts_with_the_shipped_drafter_or_needs_an_assistant(cli, folder, capsys):
+    """`--strategy dflash` alone takes the drafter the catalogue ships for the model; a model without one is an
+    error that says which models have one."""
+    assert cli.parse_args(["--strategy", "dflash"]).assistant_model == "smollm2-135m-dflash"
+    assert cli.parse_args(["--strategy", "dflash", "--assistant", "x"]).assistant_model == "x"
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--model", folder, "--strategy", "dflash"])
+    assert "jaxspec ships a DFlash drafter only for smollm2-135m" in capsys.readouterr().err
+
+
 def test_assistant_quantization_needs_an_assistant(cli, folder, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--model", folder, "--strategy", "prompt_lookup", "--assistant-quantization", "int8"])
