@@ -103,10 +103,10 @@ def price_schedule(drafter, target: Model, assistant: Model | None, batch: int =
     """`drafter` with its adaptive schedule priced by step costs measured at the call's batch (`cost_batch`): each
     verify width's forward over a plain step's, and, for an assistant that drafts one token per forward, its forward
     over the target's; an MTP draft, one depth step over its window timed the same way; a DFlash round, its drafting
-    work (`time_block_drafts`) as the schedule's `round_cost`. Early exit keeps its draft
-    cost, a share of the target's weights (E of L layers and the head: large blocks, whose bytes say what they
-    cost); copied drafts (prompt lookup) cost nothing. Unchanged where the schedule is not adaptive, where
-    `JAXSPEC_STEP_COSTS=default`, and for sharded or multi-process runs."""
+    work (`time_block_drafts`) as the schedule's `round_cost`. Early exit keeps its draft cost, a share of the
+    target's weights (E of L layers and the head: large blocks, whose bytes say what they cost); copied drafts
+    (prompt lookup) cost nothing. Unchanged where the schedule is not adaptive, where `JAXSPEC_STEP_COSTS=default`,
+    and for sharded or multi-process runs."""
     schedule = getattr(drafter, "schedule", None)
     if schedule is None or schedule.kind != "adaptive" or not schedule.widths:
         return drafter
@@ -177,7 +177,8 @@ def block_draft_milliseconds(target: Model, drafter: Model, drafts: int, *, batc
     drafter_prefix = _key_prefix(drafter, verifying=False)
     key = (f"{_key_prefix(target, verifying=True)}|block|{hashlib.sha256(drafter_prefix.encode()).hexdigest()[:16]}"
            f"|{batch}x{drafts}")
-    return _stored([key], remeasure, lambda missing: {key: time_block_drafts(target, drafter, drafts, batch=batch)})[key]
+    stored = _stored([key], remeasure, lambda missing: {key: time_block_drafts(target, drafter, drafts, batch=batch)})
+    return stored[key]
 
 
 def time_block_drafts(target: Model, drafter: Model, drafts: int, *, batch: int = 1, steps: int = STEPS,
