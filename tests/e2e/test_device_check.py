@@ -52,6 +52,7 @@ def table_rows(stdout: str) -> dict[tuple[str, str], dict[str, str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_tiny_mode_runs_every_strategy_at_every_batch_size_identically(tiny_run):
     assert tiny_run.returncode == 0, tiny_run.stdout + tiny_run.stderr[-4000:]
     rows = table_rows(tiny_run.stdout)

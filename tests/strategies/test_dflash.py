@@ -41,7 +41,7 @@ def test_the_drafter_selects_the_dflash_row(pair):
     np.testing.assert_array_equal(named.sequences, out.sequences)
 
 
-@pytest.mark.parametrize("schedule", ["constant", "adaptive"])
+@pytest.mark.parametrize("schedule", [pytest.param("constant", marks=pytest.mark.slow), "adaptive"])
 def test_greedy_equals_plain_greedy(pair, schedule):
     target, drafter, *_ = pair
     plain = jaxspec.generate(target, PROMPTS, max_new_tokens=24, eos_token_id=[])

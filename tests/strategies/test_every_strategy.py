@@ -55,7 +55,7 @@ def test_bfloat16_greedy_equals_plain_greedy(folders, name):
     assert out.drafted.sum() > 0
 
 
-@pytest.mark.parametrize("name", [name if name in ("mtp", "speculative") else pytest.param(name, marks=pytest.mark.slow)
+@pytest.mark.parametrize("name", [name if name == "speculative" else pytest.param(name, marks=pytest.mark.slow)
                                   for name in sorted(STRATEGIES)])
 def test_a_2x2_mesh_equals_one_device(folders, name):
     assert len(jax.devices()) >= 4, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"

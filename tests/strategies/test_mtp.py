@@ -68,6 +68,7 @@ def test_greedy_equals_plain_greedy_and_transformers(checkpoints, family, layers
         hf_class._keys_to_ignore_on_load_unexpected = saved
 
 
+@pytest.mark.slow
 def test_extra_drafts_reuse_the_last_layer(checkpoints):
     model = jaxspec.load(checkpoints("deepseek_v3", 1))
     ids, mask = left_padded(PROMPTS)
@@ -179,6 +180,7 @@ def test_sampling_is_exact(checkpoints):
         assert oracles.goodness_of_fit(new[:, i], exact[i]) > 1e-3, i
 
 
+@pytest.mark.slow
 def test_ensemble_with_mtp_runs(checkpoints):
     model = jaxspec.load(checkpoints("glm4_moe", 1))
     out = jaxspec.generate(model, PROMPTS, max_new_tokens=8, use_mtp=True, assistant_ensemble_weight=0.7,

@@ -56,7 +56,7 @@ def test_rounds_equal_a_replay_with_transformers_models(tiny_llama_dir, tiny_lla
 
 @pytest.mark.parametrize("k, schedule, threshold", [pytest.param(3, "constant", 0.0, marks=pytest.mark.slow),
                                                     (5, "constant", 0.4),
-                                                    (2, "heuristic_transient", 0.0)])
+                                                    pytest.param(2, "heuristic_transient", 0.0, marks=pytest.mark.slow)])
 def test_greedy_equals_transformers_assisted_generate(tiny_llama_dir, tiny_llama_draft_dir, target, draft, k,
                                                       schedule, threshold):
     hf_target, hf_draft = hf_models.load_hf(tiny_llama_dir), hf_models.load_hf(tiny_llama_draft_dir)
