@@ -142,6 +142,11 @@ def shipped_dflash_drafter(model: str) -> str | None:
     return entry.dflash_asset if entry is not None else None
 
 
+def models_with_dflash_drafters() -> list[str]:
+    """The catalogue models a DFlash drafter is shipped for."""
+    return [entry.name for entry in CATALOG.values() if entry.dflash_asset]
+
+
 def get_entry(name: str) -> CatalogEntry:
     """The entry for `name`; an unknown name is an error that lists the known ones with their licences."""
     try:

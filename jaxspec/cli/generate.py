@@ -92,12 +92,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"{OPTIONS[name].cli_flag} is not used by --strategy {args.strategy} (it is an option of "
                     f"{', '.join(users)})")
     if row.name == "dflash" and args.assistant_model is None:  # the drafter shipped for a catalogue model
-        from jaxspec.catalog import shipped_dflash_drafter
+        from jaxspec.catalog import models_with_dflash_drafters, shipped_dflash_drafter
 
         args.assistant_model = shipped_dflash_drafter(args.model)
         if args.assistant_model is None:
             p.error(f"--strategy dflash needs --assistant PATH: jaxspec ships a DFlash drafter only for "
-                    f"{', '.join(_models_with_dflash_drafters())}, not for {args.model}")
+                    f"{', '.join(models_with_dflash_drafters())}, not for {args.model}")
     selector = OPTIONS.get(row.selected_by)
     if selector is not None and selector.type is not None and selector.default is None and \
             getattr(args, selector.name) is None:
@@ -105,12 +105,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.assistant_quantization and args.assistant_model is None:
         p.error("--assistant-quantization quantizes the --assistant of a strategy that drafts with one")
     return args
-
-
-def _models_with_dflash_drafters() -> list[str]:
-    from jaxspec.catalog import CATALOG
-
-    return [entry.name for entry in CATALOG.values() if entry.dflash_asset]
 
 
 def given_options(args) -> dict:
