@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import os
 from typing import Any
 
@@ -80,6 +81,7 @@ def convert(path: str, dtype: Any, progress: bool = False, mesh=None, sharding_r
     tokenizer = load_tokenizer(path)
     with _naming_checkpoint(path):
         source = open_safetensors(path, hf_config)
+        cfg = _complete_config(family, cfg, source)
         module = _build(family, cfg, dtype, source, _progress_bar(path) if progress else None, mesh, sharding_rules)
     return Model(
         module=module,
@@ -145,6 +147,13 @@ def open_safetensors(folder: str, hf_config: dict[str, Any]):
     return source if quantization is None else DequantizedSource(source, quantization)
 
 
+def _complete_config(family, cfg, source):
+    """The config as the checkpoint's tensors complete it, for families whose layout leaves a part optional that
+    config.json does not mention (an EAGLE-3 head's own embedding: convert/eagle3.py `config_for_source`)."""
+    complete = getattr(importlib.import_module(family.convert_module), "config_for_source", None)
+    return cfg if complete is None else complete(cfg, source)
+
+
 def _build(family, cfg, dtype, source, progress, mesh, sharding_rules) -> nnx.Module:
     if mesh is not None:
         return build_sharded_module(family, cfg, dtype, source, mesh, sharding_rules, progress)
@@ -162,7 +171,6 @@ def build_sharded_module(family, cfg, dtype, source, mesh, sharding_rules=None, 
     keep their slices, which suits models that fit one host. The module remembers the mesh (`place_on`), which
     turns on expert parallelism in MoE layers.
     """
-    import importlib
     import itertools
 
     from .distributed import array_from_blocks

@@ -27,6 +27,7 @@ class Family:
 _LLAMA = Family("jaxspec.models.llama", "LlamaConfig", "LlamaForCausalLM", "jaxspec.convert.llama")
 _GEMMA = Family("jaxspec.models.gemma", "GemmaConfig", "GemmaForCausalLM", "jaxspec.convert.gemma")
 _DFLASH = Family("jaxspec.models.dflash", "DFlashConfig", "DFlashDrafter", "jaxspec.convert.dflash")
+_EAGLE3 = Family("jaxspec.models.eagle3", "Eagle3Config", "Eagle3Head", "jaxspec.convert.eagle3")
 
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
@@ -48,6 +49,9 @@ FAMILIES: dict[str, Family] = {
     # consult before the model_type for them to reach it.
     "muse_glimmer_assistant": _DFLASH,
     "DFlashDraftModel": _DFLASH,
+    # EAGLE-3 heads (models/eagle3.py): they run only beside a target whose tapped hidden states they read. Their
+    # config says model_type "llama"; the architecture names them.
+    "LlamaForCausalLMEagle3": _EAGLE3,
 }
 
 
@@ -65,7 +69,8 @@ NOT_YET: dict[str, str] = {
 
 # Architectures that decide the family before model_type does -> their key in FAMILIES. DFlash 2's config raises
 # NotImplementedError naming the parts jaxspec lacks.
-ARCHITECTURE_FAMILIES = {"DFlashDraftModel": "DFlashDraftModel", "DFlash2DraftModel": "DFlashDraftModel"}
+ARCHITECTURE_FAMILIES = {"DFlashDraftModel": "DFlashDraftModel", "DFlash2DraftModel": "DFlashDraftModel",
+                         "LlamaForCausalLMEagle3": "LlamaForCausalLMEagle3"}
 
 
 def family_for(hf_config: dict[str, Any], where: str) -> Family:

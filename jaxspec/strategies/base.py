@@ -191,6 +191,9 @@ class Drafter:
     # Whether a round's drafts come from one forward of a block drafter (DFlash): then costs.py times that round's
     # drafting work (its context write, the block forward, the target's head over the drafts) as `round_cost`.
     drafts_with_block_forward = False
+    # Whether a round's drafts come from a feature head (EAGLE-3): one head forward over a window of K + 1 entries,
+    # then a width-1 head step per further draft: costs.py times both (`round_cost`, `draft_cost`).
+    drafts_with_head_steps = False
     # Decoder layers (0-based, ascending) whose outputs the drafter reads (block and EAGLE-style drafters): the loop
     # taps them in every target forward and hands them over with the prompt's chunks and each verified round.
     feature_layers: tuple[int, ...] = ()

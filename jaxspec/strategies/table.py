@@ -8,8 +8,8 @@ validates and dispatches with these rows, `DraftingConfig` accepts exactly their
 A call selects a row by the argument that selects it (transformers' rule: `assistant_model`, `prompt_lookup_num_tokens`,
 `assistant_early_exit`; jaxspec's `use_mtp`), or names it (`DraftingConfig(strategy=...)`, the CLI's `--strategy`).
 The rows selected by `assistant_model` tell from the assistant which one a call is: a Gemma 4 drafter checkpoint,
-a DFlash block drafter, an assistant with another tokenizer, else a plain assistant. Anything a row does not accept is an error
-that names it: nothing is ignored in silence.
+a DFlash block drafter, an EAGLE-3 head, an assistant with another tokenizer, else a plain assistant. Anything a row
+does not accept is an error that names it: nothing is ignored in silence.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from .dflash import DFLASH
 from .draft_model import SPECULATIVE
+from .eagle3 import EAGLE3
 from .early_exit import EARLY_EXIT
 from .gemma4_drafter import MTP_DRAFTER
 from .mtp import MTP
@@ -29,7 +30,7 @@ from .universal import UNIVERSAL
 
 # Plain decoding; model-free drafts; the target's own layers; then the assistant_model rows, most specific first
 # (rows that share a selecting argument are tried in this order, and the first that claims the call wins).
-STRATEGIES: tuple[Strategy, ...] = (GREEDY, PROMPT_LOOKUP, EARLY_EXIT, MTP, MTP_DRAFTER, DFLASH, UNIVERSAL,
+STRATEGIES: tuple[Strategy, ...] = (GREEDY, PROMPT_LOOKUP, EARLY_EXIT, MTP, MTP_DRAFTER, DFLASH, EAGLE3, UNIVERSAL,
                                     SPECULATIVE)
 BY_NAME: dict[str, Strategy] = {row.name: row for row in STRATEGIES}
 # Every strategy option by name (rows share the draft-length options, as the same Option objects).
