@@ -26,7 +26,7 @@ INT8 = "-int8"
 # and attaches when it loads the model by name). jaxspec only: transformers runs MTP for DeepSeek-V3-style
 # checkpoints alone, not for the Llama/Qwen2 targets that jaxspec attaches trained layers to.
 MTP = "mtp"
-# `dflash`: the DFlash drafter jaxspec ships for a catalogue model (`CatalogEntry.dflash_asset`). jaxspec only: it is
+# `dflash`: the DFlash drafter jaxspec ships for a catalogue model (`CatalogEntry.drafter_assets`). jaxspec only: it is
 # saved in z-lab's `DFlashDraftModel` layout, which transformers' `speculation_type="dflash"` does not load (it runs
 # its own muse_glimmer_assistant layout; tests/strategies/test_dflash.py compares the two on that layout).
 DFLASH = "dflash"
@@ -162,7 +162,7 @@ def resolve_source(name: str, workdir: str, universal_assistant: str | None = No
     asset = catalog.get_entry(name).mtp_asset
     return ModelSource(name, "catalog", path, assistant, read_gguf(path).hf_config["num_hidden_layers"], universal,
                        mtp_path=name if asset else None, mtp_asset=asset,
-                       dflash_path=catalog.shipped_dflash_drafter(name))
+                       dflash_path=catalog.shipped_drafter(name, "dflash"))
 
 
 def prompt_tokenizer(source: ModelSource, jaxspec_model):

@@ -32,9 +32,9 @@ class CatalogEntry:
     in concatenation order. Every import name must belong to one requirement (same name once `-` becomes `_`),
     so a missing package can be reported with the pip command that installs it. A single part is used in
     place rather than copied. `mtp_asset` names trained MTP layers shipped in jaxspec/assets that loading the
-    entry attaches (`--strategy mtp` then works out of the box; plain decoding is unaffected). `dflash_asset` names
-    a DFlash drafter shipped there, a checkpoint of its own that `jaxspec.load(dflash_asset)` loads and that
-    `--strategy dflash` drafts with when no `--assistant` is given.
+    entry attaches (`--strategy mtp` then works out of the box; plain decoding is unaffected). `drafter_assets`
+    names drafters shipped there by the strategy that runs them (`dflash`, `eagle3`): checkpoints of their own that
+    `jaxspec.load(name)` loads and that `--strategy NAME` drafts with when no `--assistant` is given.
     """
 
     name: str
@@ -45,7 +45,7 @@ class CatalogEntry:
     gguf_filename: str
     licence: str
     mtp_asset: str | None = None
-    dflash_asset: str | None = None
+    drafter_assets: tuple[tuple[str, str], ...] = ()  # (strategy, asset name) pairs
 
     @property
     def single_file(self) -> bool:
@@ -75,7 +75,7 @@ CATALOG: dict[str, CatalogEntry] = {
             gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             licence="Apache-2.0",
             mtp_asset="smollm2-135m-mtp",  # 3 MTP layers trained by scripts/train_mtp.py (jaxspec/assets)
-            dflash_asset="smollm2-135m-dflash",  # a DFlash drafter trained by scripts/train_dflash.py
+            drafter_assets=(("dflash", "smollm2-135m-dflash"),),  # trained by scripts/train_dflash.py
         ),
         CatalogEntry(
             name="qwen2.5-coder-0.5b",
@@ -131,20 +131,20 @@ def is_catalog_name(name: str) -> bool:
 
 
 def is_shipped_drafter(name: str) -> bool:
-    """Whether `name` is a drafter checkpoint shipped in jaxspec/assets for a catalogue model (`dflash_asset`)."""
-    return any(entry.dflash_asset == name for entry in CATALOG.values())
+    """Whether `name` is a drafter checkpoint shipped in jaxspec/assets for a catalogue model (`drafter_assets`)."""
+    return any(asset == name for entry in CATALOG.values() for _, asset in entry.drafter_assets)
 
 
-def shipped_dflash_drafter(model: str) -> str | None:
-    """The name of the DFlash drafter shipped for catalogue model `model` (None: none is, or not a catalogue name);
-    `jaxspec.load` takes it."""
+def shipped_drafter(model: str, strategy: str) -> str | None:
+    """The name of the drafter shipped for catalogue model `model` that `strategy` runs (None: none is, or not a
+    catalogue name); `jaxspec.load` takes it."""
     entry = CATALOG.get(model)
-    return entry.dflash_asset if entry is not None else None
+    return dict(entry.drafter_assets).get(strategy) if entry is not None else None
 
 
-def models_with_dflash_drafters() -> list[str]:
-    """The catalogue models a DFlash drafter is shipped for."""
-    return [entry.name for entry in CATALOG.values() if entry.dflash_asset]
+def models_with_drafters(strategy: str) -> list[str]:
+    """The catalogue models a drafter that `strategy` runs is shipped for."""
+    return [entry.name for entry in CATALOG.values() if strategy in dict(entry.drafter_assets)]
 
 
 def get_entry(name: str) -> CatalogEntry:

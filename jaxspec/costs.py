@@ -103,7 +103,8 @@ def price_schedule(drafter, target: Model, assistant: Model | None, batch: int =
     """`drafter` with its adaptive schedule priced by step costs measured at the call's batch (`cost_batch`): each
     verify width's forward over a plain step's, and, for an assistant that drafts one token per forward, its forward
     over the target's; an MTP draft, one depth step over its window timed the same way; a DFlash round, its drafting
-    work (`time_block_drafts`) as the schedule's `round_cost`. Early exit keeps its draft cost, a share of the
+    work (`time_block_drafts`) as the schedule's `round_cost`; an EAGLE-3 round, its window and each further head step
+    (`time_head_rounds`). Early exit keeps its draft cost, a share of the
     target's weights (E of L layers and the head: large blocks, whose bytes say what they cost); copied drafts
     (prompt lookup) cost nothing. Unchanged where the schedule is not adaptive, where `JAXSPEC_STEP_COSTS=default`,
     and for sharded or multi-process runs."""
@@ -126,6 +127,12 @@ def price_schedule(drafter, target: Model, assistant: Model | None, batch: int =
     if drafter.drafts_with_block_forward:
         block_ms = block_draft_milliseconds(target, assistant, drafter.max_draft, batch=rows, remeasure=remeasure)
         round_cost = round(block_ms / target_ms[1], 3)
+    elif drafter.drafts_with_head_steps:
+        # Every round runs the head over a window of K + 1 entries first (jaxspec/strategies/eagle3.py)
+        one, chain = (head_round_milliseconds(target, assistant, drafts, drafter.max_draft + 1, batch=rows,
+                                              remeasure=remeasure) for drafts in (1, drafter.max_draft))
+        step_ms = (chain - one) / (drafter.max_draft - 1) if drafter.max_draft > 1 else one
+        draft_cost, round_cost = round(step_ms / target_ms[1], 3), round(max(one - step_ms, 0.0) / target_ms[1], 3)
     elif drafter.drafts_with_assistant_forwards and assistant is not target:
         assistant_ms = forward_milliseconds(assistant, (1,), batch=rows, verifying=False, remeasure=remeasure)[1]
         draft_cost = round(assistant_ms / target_ms[1], 3)
@@ -216,6 +223,66 @@ def time_block_drafts(target: Model, drafter: Model, drafts: int, *, batch: int 
     run = jax.jit(loop, donate_argnums=3)
     return _best_milliseconds(lambda cache: run(target_state, drafter_state, head, cache),
                               drafter.module.init_cache(batch, cache_size), steps, runs)
+
+
+def head_round_milliseconds(target: Model, head: Model, drafts: int, window: int, *, batch: int = 1,
+                            remeasure: bool = False) -> float:
+    """Milliseconds of one EAGLE-3 drafting round's own work for `batch` rows, `drafts` drafts and a window of
+    `window` entries, from the cache file or measured now (`time_head_rounds`)."""
+    head_prefix = _key_prefix(head, verifying=False)
+    key = (f"{_key_prefix(target, verifying=True)}|eagle3|{hashlib.sha256(head_prefix.encode()).hexdigest()[:16]}"
+           f"|{batch}x{drafts}w{window}")
+    stored = _stored([key], remeasure, lambda missing: {
+        key: time_head_rounds(target, head, drafts, batch=batch, window=window)})
+    return stored[key]
+
+
+def time_head_rounds(target: Model, head: Model, drafts: int, *, batch: int = 1, steps: int = STEPS,
+                     runs: int = RUNS, cache_size: int = CACHE_SIZE, window: int | None = None) -> float:
+    """Milliseconds per EAGLE-3 drafting round as jaxspec/strategies/eagle3.py runs one with `drafts` drafts: the
+    last round's tapped states projected (fc) and stored, the head over its window of `window` entries (K + 1;
+    default drafts + 1), then drafts - 1 width-1 head steps; each draft's logits over the target's vocabulary.
+    `price_schedule` takes a draft's cost from the difference between 1 and K drafts, and the rest as the round's."""
+    from .strategies.eagle3 import draft_embedding
+
+    target_graphdef, target_state = nnx.split(target.module)
+    head_graphdef, head_state = nnx.split(head.module)
+    window = window or drafts + 1
+    taps = 3 * target.config.hidden_size
+    width = head.module.cfg.hidden_size
+
+    def loop(target_state, head_state, cache, features):
+        target_module = nnx.merge(target_graphdef, target_state)
+        module = nnx.merge(head_graphdef, head_state)
+
+        def embed(tokens):
+            return draft_embedding(target_module, module, tokens)
+
+        def step(i, carry):
+            cache, features, checksum = carry
+            start = START_POSITION + i * window
+            positions = jnp.broadcast_to(start + jnp.arange(window), (batch, window))  # [B, W]
+            g = module.project_features(jnp.ones((batch, window, taps), target.dtype))
+            features = features.at[jnp.arange(batch)[:, None], positions].set(g.astype(features.dtype))
+            out, cache = module.step(embed(jnp.ones((batch, window), jnp.int32)), g, positions, cache)
+            prev = out[:, -1:]
+            token = jnp.argmax(module.target_logits(prev[:, -1]), axis=-1)
+            for d in range(1, drafts):
+                prev, cache = module.step(embed(token[:, None]), prev, positions[:, -1:] + d, cache)
+                token = jnp.argmax(module.target_logits(prev[:, -1]), axis=-1)
+            return cache, features, checksum + token.sum().astype(jnp.float32)
+
+        return jax.lax.fori_loop(0, steps, step, (cache, features, jnp.zeros((), jnp.float32)))
+
+    run = jax.jit(loop, donate_argnums=(2, 3))
+
+    def timed(carry):
+        cache, features = carry
+        cache, features, checksum = run(target_state, head_state, cache, features)
+        return (cache, features), checksum
+
+    return _best_milliseconds(timed, (head.module.init_cache(batch, cache_size),
+                                      jnp.zeros((batch, cache_size, width), head.dtype)), steps, runs)
 
 
 def interpolate(milliseconds: dict[int, float], width: int) -> float:

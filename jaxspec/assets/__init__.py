@@ -7,7 +7,7 @@ tensors, in the layout of an HF checkpoint with MTP layers (`model.layers.{N + k
 `model.draft_vocab`). A catalogue entry names its asset (`CatalogEntry.mtp_asset`); loading that entry attaches it
 (`attach_mtp_asset`). The target's own weights are untouched, so plain decoding is unaffected.
 
-A DFlash drafter shipped here (`CatalogEntry.dflash_asset`) is a checkpoint of its own, in z-lab's `DFlashDraftModel`
+A DFlash drafter shipped here (`CatalogEntry.drafter_assets`) is a checkpoint of its own, in z-lab's `DFlashDraftModel`
 layout (config.json, model.safetensors, training.json with its recipe and held-out acceptance): `jaxspec.load` takes
 its folder's name, and `--strategy dflash` drafts with it when no `--assistant` is given.
 """

@@ -7,6 +7,7 @@
     jaxspec-generate --model PATH --strategy prompt_lookup --prompt-lookup-num-tokens 10 --json
     jaxspec-generate --model DEEPSEEK_OR_GLM_FOLDER --strategy mtp
     jaxspec-generate --strategy dflash            # smollm2-135m's shipped DFlash drafter (else --assistant PATH)
+    jaxspec-generate --model PATH --strategy eagle3 --assistant EAGLE3_HEAD_FOLDER
     jaxspec-generate --model GEMMA4_FOLDER --strategy mtp_drafter --assistant GEMMA4_ASSISTANT_FOLDER
     jaxspec-generate --model DEEPSEEK_FOLDER --strategy mtp --distributed --mesh data=1,model=8,expert=4
 
@@ -40,6 +41,8 @@ from jaxspec.strategies import BY_NAME, OPTIONS, STRATEGIES, DraftingConfig
 DEFAULT_MODEL = "smollm2-135m"
 SAMPLE = "sample"  # plain decoding with sampling: the greedy row with do_sample
 STRATEGY_CHOICES = (*BY_NAME, SAMPLE)
+# Strategies whose drafter jaxspec ships for catalogue models (`CatalogEntry.drafter_assets`): --assistant optional
+SHIPPED_DRAFTERS = {"dflash": "a DFlash drafter", "eagle3": "an EAGLE-3 head"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,13 +94,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             users = [other.name for other in STRATEGIES if name in other.option_names]
             p.error(f"{OPTIONS[name].cli_flag} is not used by --strategy {args.strategy} (it is an option of "
                     f"{', '.join(users)})")
-    if row.name == "dflash" and args.assistant_model is None:  # the drafter shipped for a catalogue model
-        from jaxspec.catalog import models_with_dflash_drafters, shipped_dflash_drafter
+    if row.name in SHIPPED_DRAFTERS and args.assistant_model is None:  # the drafter shipped for a catalogue model
+        from jaxspec.catalog import models_with_drafters, shipped_drafter
 
-        args.assistant_model = shipped_dflash_drafter(args.model)
+        args.assistant_model = shipped_drafter(args.model, row.name)
         if args.assistant_model is None:
-            p.error(f"--strategy dflash needs --assistant PATH: jaxspec ships a DFlash drafter only for "
-                    f"{', '.join(models_with_dflash_drafters())}, not for {args.model}")
+            p.error(f"--strategy {row.name} needs --assistant PATH: jaxspec ships {SHIPPED_DRAFTERS[row.name]} only "
+                    f"for {', '.join(models_with_drafters(row.name)) or 'no model yet'}, not for {args.model}")
     selector = OPTIONS.get(row.selected_by)
     if selector is not None and selector.type is not None and selector.default is None and \
             getattr(args, selector.name) is None:

@@ -206,12 +206,15 @@ def draft_distribution(processed: jax.Array) -> jax.Array:
 
 
 def _embed(ctx: Context, tokens: jax.Array) -> jax.Array:
+    return draft_embedding(ctx.target, ctx.assistant, tokens)
+
+
+def draft_embedding(target, head, tokens: jax.Array) -> jax.Array:
     """The head's input embedding of tokens [B, T] -> [B, T, D]: its own table, else the target's raw rows (what
     SpecForge copies into the head it trains: unscaled, also for families that scale their own input)."""
-    head = ctx.assistant
     if head.cfg.own_embedding:
         return head.embed_tokens(tokens)
-    return I.lookup(I.weight(ctx.target, "embed"), tokens, head.dtype)
+    return I.lookup(I.weight(target, "embed"), tokens, head.dtype)
 
 
 def is_eagle3_head(model) -> bool:

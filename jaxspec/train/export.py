@@ -32,6 +32,7 @@ _SAFETENSORS_DTYPES = {
     np.dtype(np.float16): "F16",
     np.dtype(np.int32): "I32",
     np.dtype(np.int64): "I64",
+    np.dtype(np.bool_): "BOOL",  # an EAGLE-3 head's t2d
 }
 
 

@@ -3,9 +3,10 @@
 MTP layers: the module splits into (graphdef, trainable, frozen): trainable are the `nnx.Param`s whose top-level
 attribute starts with "mtp" (`mtp_layers` in Llama models, the stacked `mtp_*` arrays of DeepSeek-V3 / GLM-4.5),
 frozen is everything else (the target, the draft vocabulary). A DFlash drafter is a module of its own: all of it
-trains, and the frozen state is the target's (its embedding and head are what the drafter reads). A step takes the
-frozen state as an argument that is never donated, and donates the trainable params and the optimizer state, which
-it replaces.
+trains, and the frozen state is the target's (its embedding and head are what the drafter reads). An EAGLE-3 head
+trains its `nnx.Param`s but an embedding table of its own (SpecForge freezes that too); its draft vocabulary and the
+target are frozen. A step takes the frozen state as an argument that is never donated, and donates the trainable
+params and the optimizer state, which it replaces.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import optax
 from flax import nnx
 
 from .dflash_losses import block_drafts, block_loss
+from .eagle3_losses import ttt_drafts, ttt_loss
 from .losses import distillation_loss
 
 
@@ -153,5 +155,64 @@ def make_block_drafts(graphdef, target_graphdef):
     def drafts(trainable, frozen, tokens, features, anchors):
         drafter, target = nnx.merge(graphdef, trainable), nnx.merge(target_graphdef, frozen)
         return block_drafts(drafter, target, tokens, features, anchors)
+
+    return drafts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# EAGLE-3 heads: the head's parameters train (not an embedding of its own); its draft vocabulary and the target are
+# the frozen state, as the pair (head's frozen state, target's state).
+
+
+def is_head_trainable(path, value) -> bool:
+    """nnx filter: an EAGLE-3 head's parameters but its own embedding table."""
+    return isinstance(value, nnx.Param) and str(path[0]) != "embed"
+
+
+def split_head(module: nnx.Module):
+    """-> (graphdef, trainable state, the head's frozen state)."""
+    return nnx.split(module, is_head_trainable, ...)
+
+
+@functools.lru_cache(maxsize=8)
+def make_ttt_train_step(graphdef, target_graphdef, optim: OptimConfig, steps: int, decay: float):
+    """`step(trainable, opt_state, frozen, tokens, lengths, starts, features, hidden) -> (trainable, opt_state,
+    metrics)`, jitted: `frozen` is (the head's frozen state, the target's state); see `eagle3_losses.ttt_loss`."""
+    optimizer = make_optimizer(optim)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(trainable, opt_state, frozen, tokens, lengths, starts, features, hidden):
+        head_frozen, target_state = frozen
+        target = nnx.merge(target_graphdef, target_state)
+
+        def loss_fn(trainable):
+            head = nnx.merge(graphdef, trainable, head_frozen)
+            return ttt_loss(head, target, tokens, lengths, starts, features, hidden, steps, decay)
+
+        return descend(optimizer, loss_fn, trainable, opt_state)
+
+    return step
+
+
+@functools.lru_cache(maxsize=8)
+def make_ttt_eval_loss(graphdef, target_graphdef, steps: int, decay: float):
+    """`loss(trainable, frozen, tokens, lengths, starts, features, hidden) -> metrics`, jitted."""
+    @jax.jit
+    def evaluate(trainable, frozen, tokens, lengths, starts, features, hidden):
+        head = nnx.merge(graphdef, trainable, frozen[0])
+        target = nnx.merge(target_graphdef, frozen[1])
+        return ttt_loss(head, target, tokens, lengths, starts, features, hidden, steps, decay)[1]
+
+    return evaluate
+
+
+@functools.lru_cache(maxsize=8)
+def make_ttt_drafts(graphdef, target_graphdef, steps: int):
+    """`drafts(trainable, frozen, tokens, features) -> [B, steps, T]` the chained greedy drafts, jitted."""
+    @jax.jit
+    def drafts(trainable, frozen, tokens, features):
+        head = nnx.merge(graphdef, trainable, frozen[0])
+        target = nnx.merge(target_graphdef, frozen[1])
+        return ttt_drafts(head, target, tokens, features, steps)
 
     return drafts

@@ -197,3 +197,24 @@ def test_a_dflash_round_is_priced_by_timing_its_drafting_work(measuring, pair, t
     assert (priced.round_cost, priced.draft_cost) == (0.4, 0.0)
     monkeypatch.setattr(costs, "time_block_drafts", lambda *args, **kwargs: pytest.fail("timed again"))
     assert costs.price_schedule(drafter, target, block_drafter).schedule == priced
+
+
+def test_an_eagle3_round_is_priced_by_its_window_and_its_steps(measuring, pair, tmp_path_factory, monkeypatch):
+    """An EAGLE-3 round is timed with one draft and with K: the difference is K - 1 head steps (a draft's cost), the
+    rest the round's own (the fc over the new states and the head over its window of K + 1 entries)."""
+    from tests.fixtures import eagle3 as eagle3_fixtures
+
+    target, _ = pair
+    head = jaxspec.load(eagle3_fixtures.save(eagle3_fixtures.reference(seed=3),
+                                             tmp_path_factory.mktemp("eagle3_costs")))
+    drafter = choose_strategy(target, DraftingConfig(assistant_model=head, num_assistant_tokens=3),
+                              do_sample=False).drafter
+    assert drafter.drafts_with_head_steps and drafter.max_draft == 3
+    assert costs.time_head_rounds(target, head, 3, runs=1, window=4) > 0  # the real round runs
+    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, head=None, batch=1: {w: 10.0 for w in widths})
+    timed = {1: 3.0, 3: 4.0}  # milliseconds: a 2.5 ms window and 0.5 ms a draft
+    monkeypatch.setattr(costs, "time_head_rounds", lambda target, head, drafts, batch=1, window=None: timed[drafts])
+    priced = costs.price_schedule(drafter, target, head).schedule
+    assert (priced.round_cost, priced.draft_cost) == (0.25, 0.05)
+    monkeypatch.setattr(costs, "time_head_rounds", lambda *args, **kwargs: pytest.fail("timed again"))
+    assert costs.price_schedule(drafter, target, head).schedule == priced

@@ -78,6 +78,22 @@ def test_dflash_drafts_with_the_shipped_drafter_or_needs_an_assistant(cli, folde
     assert "jaxspec ships a DFlash drafter only for smollm2-135m" in capsys.readouterr().err
 
 
+def test_eagle3_drafts_with_a_head_folder(cli, folder, capsys, tmp_path):
+    """`--strategy eagle3 --assistant FOLDER` drafts with the head and matches plain greedy; without --assistant, a
+    model jaxspec ships no head for is an error that says so."""
+    from tests.fixtures import eagle3 as eagle3_fixtures
+
+    head = eagle3_fixtures.save(eagle3_fixtures.reference(seed=3), tmp_path / "head")
+    code = cli.main(["--model", folder, "--prompt", "w5 w6 w7", "--max-new-tokens", "6", "--json", "--strategy",
+                     "eagle3", "--assistant", head, "--num-assistant-tokens-schedule", "constant", "--compare-plain"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["strategy"] == "eagle3" and sum(report["drafted"]) > 0 and report["same_tokens_as_plain"] is True
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--model", folder, "--strategy", "eagle3"])
+    assert "--strategy eagle3 needs --assistant PATH: jaxspec ships an EAGLE-3 head only for" in capsys.readouterr().err
+
+
 def test_assistant_quantization_needs_an_assistant(cli, folder, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--model", folder, "--strategy", "prompt_lookup", "--assistant-quantization", "int8"])

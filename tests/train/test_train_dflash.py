@@ -306,7 +306,7 @@ def test_shipped_drafter_fits_smollm2():
     from jaxspec import catalog
     from jaxspec.assets import asset_folder
 
-    name = catalog.shipped_dflash_drafter("smollm2-135m")
+    name = catalog.shipped_drafter("smollm2-135m", "dflash")
     drafter = jaxspec.load(name)
     cfg = drafter.module.cfg
     assert (cfg.hidden_size, drafter.config.vocab_size) == (576, 49152)
