@@ -18,7 +18,7 @@ from _bench_prompts import PROMPTS, RANDOM_PROMPT_LENGTHS
 from _bench_timing import Call, CallFn
 
 STRATEGIES = ("greedy", "speculative", "speculative-self", "prompt_lookup", "early_exit", "universal",
-              "speculative-int8", "universal-int8", "mtp", "dflash")
+              "speculative-int8", "universal-int8", "mtp", "dflash", "eagle3")
 # `speculative-int8` and `universal-int8`: the same assistant with int8 weights and activations (jaxspec.quantize).
 # jaxspec only: transformers' assisted generate has no int8 CPU assistant to compare with.
 INT8 = "-int8"
@@ -30,7 +30,10 @@ MTP = "mtp"
 # saved in z-lab's `DFlashDraftModel` layout, which transformers' `speculation_type="dflash"` does not load (it runs
 # its own muse_glimmer_assistant layout; tests/strategies/test_dflash.py compares the two on that layout).
 DFLASH = "dflash"
-JAXSPEC_ONLY = (MTP, DFLASH)  # besides the -int8 strategies
+# `eagle3`: the EAGLE-3 head jaxspec ships for a catalogue model, K=4. jaxspec only: transformers 5.23 has no EAGLE-3.
+EAGLE3 = "eagle3"
+EAGLE3_DRAFTS = 4
+JAXSPEC_ONLY = (MTP, DFLASH, EAGLE3)  # besides the -int8 strategies
 
 # Random Llama configs. 49152 is the SmolLM2 vocabulary, so its tokenizer's ids are valid prompts for them too.
 RANDOM_COMMON = dict(
@@ -92,6 +95,7 @@ class ModelSource:
     mtp_path: str | None = None
     mtp_asset: str | None = None
     dflash_path: str | None = None  # `dflash`: the shipped drafter's name (jaxspec.load takes it), if any
+    eagle3_path: str | None = None  # `eagle3`: the shipped head's name, if any
 
 
 @dataclasses.dataclass
@@ -162,7 +166,8 @@ def resolve_source(name: str, workdir: str, universal_assistant: str | None = No
     asset = catalog.get_entry(name).mtp_asset
     return ModelSource(name, "catalog", path, assistant, read_gguf(path).hf_config["num_hidden_layers"], universal,
                        mtp_path=name if asset else None, mtp_asset=asset,
-                       dflash_path=catalog.shipped_drafter(name, "dflash"))
+                       dflash_path=catalog.shipped_drafter(name, "dflash"),
+                       eagle3_path=catalog.shipped_drafter(name, "eagle3"))
 
 
 def prompt_tokenizer(source: ModelSource, jaxspec_model):
@@ -254,6 +259,11 @@ def plan_for(strategy: str, source: ModelSource, s: DraftSettings) -> Plan | str
         # K: the block's drafts (block_size - 1); the schedule as the other strategies run it.
         return Plan(strategy, f"{source.dflash_path} K=its block {s.schedule}", DFLASH, {}, {},
                     {"num_assistant_tokens_schedule": s.schedule})
+    if strategy == EAGLE3:
+        if source.eagle3_path is None:
+            return "no EAGLE-3 head for this model (the catalogue ships none)"
+        return Plan(strategy, f"{source.eagle3_path} K={EAGLE3_DRAFTS} {s.schedule}", EAGLE3, {}, {},
+                    {"num_assistant_tokens": EAGLE3_DRAFTS, "num_assistant_tokens_schedule": s.schedule})
     if strategy == "early_exit":
         if not 1 <= s.early_exit < source.num_layers:
             return f"early exit {s.early_exit} is not inside 1..{source.num_layers - 1}"

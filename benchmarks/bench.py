@@ -2,7 +2,7 @@
 
     python benchmarks/bench.py [--models smollm2-135m,random-500m]
         [--strategies greedy,speculative,speculative-self,prompt_lookup,early_exit,universal,
-                      speculative-int8,universal-int8,mtp,dflash]
+                      speculative-int8,universal-int8,mtp,dflash,eagle3]
         [--universal-assistant smollm2-135m]
         [--max-new-tokens 64] [--repeats 3] [--threads T] [--out bench_out/] [--skip-hf]
         [--prompts code_completion,code_editing,chat,summary]
@@ -18,7 +18,7 @@ tokenizer (SmolLM2-135M for a Qwen target): jaxspec maps the vocabularies in its
 universal assisted decoding with the same two tokenizers. `speculative-int8` and `universal-int8` run the same
 assistants with int8 weights and activations (`jaxspec.quantize`), jaxspec only, and so is `mtp`: the target's own
 MTP layers draft (`use_mtp=True`; for a catalogue model, the trained set jaxspec ships for it), and `dflash`: the DFlash
-drafter jaxspec ships for a catalogue model (`--strategy dflash`). Batch 1 and float32
+drafter jaxspec ships for a catalogue model (`--strategy dflash`), and `eagle3`: the EAGLE-3 head it ships (K=4). Batch 1 and float32
 everywhere else; greedy decoding, so every strategy must give the plain greedy tokens. Besides the table over all
 prompts, a second table gives each strategy's speedup over its own library's greedy per prompt.
 
@@ -73,8 +73,8 @@ import numpy as np
 # Siblings in benchmarks/ (on sys.path as the script's own folder). `Call`, `measure_all` and `paired_speedup` are
 # also this module's names for the harness's tests.
 from _bench_hf import HFTally, hf_call, load_hf, quiet_transformers, set_torch_threads
-from _bench_plans import (DFLASH, INT8, MTP, RANDOM_COMMON, RANDOM_MODELS, STRATEGIES, UNIVERSAL_ASSISTANT, DraftSettings,
-                          ModelSource, Plan, draft_settings, encode_prompts, jaxspec_call, jaxspec_only, plan_for,
+from _bench_plans import (DFLASH, EAGLE3, INT8, MTP, RANDOM_COMMON, RANDOM_MODELS, STRATEGIES, UNIVERSAL_ASSISTANT,
+                          DraftSettings, ModelSource, Plan, draft_settings, encode_prompts, jaxspec_call, jaxspec_only, plan_for,
                           prompt_tokenizer, resolve_source, weight_bytes_per_token)
 from _bench_prompts import PROMPTS
 from _bench_report import (PromptRow, Roofline, Row, build_rows, chart, environment, losslessness_notes, markdown,
@@ -115,7 +115,7 @@ def bench_model(source: ModelSource, args, settings: DraftSettings, notes: list[
         else:
             plans[strategy] = plan
     paths = {"assistant": source.assistant_path, "universal": source.universal_path, MTP: source.mtp_path,
-             DFLASH: source.dflash_path}
+             DFLASH: source.dflash_path, EAGLE3: source.eagle3_path}
     quantized = {p.drafter for p in plans.values() if p.drafter and p.drafter.endswith(INT8)}
     drafters = ({p.drafter for p in plans.values()} | {kind[: -len(INT8)] for kind in quantized}) & set(paths)
 
@@ -132,7 +132,7 @@ def bench_model(source: ModelSource, args, settings: DraftSettings, notes: list[
     if not args.skip_hf:
         # Both libraries stay loaded so that the timed passes can alternate between them.
         hf_target = load_hf(source.path)
-        hf_assistants = {kind: load_hf(paths[kind]) for kind in drafters if kind not in (MTP, DFLASH)}
+        hf_assistants = {kind: load_hf(paths[kind]) for kind in drafters if kind not in (MTP, DFLASH, EAGLE3)}
         tally = HFTally(hf_target)
         # transformers' universal run gets the same tokenizers jaxspec built from the GGUF files.
         tokenizers = (target.tokenizer, assistants["universal"].tokenizer) if "universal" in drafters else None
