@@ -1,0 +1,165 @@
+"""Draft trees and their verification: several candidates per position, judged after one target forward.
+
+A tree of N nodes hangs below the root, the row's newest committed token. Nodes are numbered so that a parent comes
+before its children and earlier siblings before later ones (the order a drafter proposes them in); node i holds a
+token, its parent (-1: the root) and its rank among its siblings. The target scores [root, node 0 .. node N-1] in one
+forward, so `logits[:, 0]` is its law after the root and `logits[:, i + 1]` its law after node i's path.
+
+Verification walks down from the root, one depth at a time, trying the current node's children in sibling order:
+
+- Greedy: the child whose token is the target's argmax at the current node (at most one: siblings differ), until
+  none is; then the target's argmax there is the bonus token. The committed tokens are exactly plain greedy decoding's.
+- Sampling (recursive rejection sampling; Chen et al. 2023, Jeon et al. 2024 "Recursive Speculative Decoding"):
+  with r the target's law at the current node, child j (drawn from q_j given the siblings before it) is accepted with
+  probability min(1, r(c_j) / q_j(c_j)); on rejection r becomes normalize(max(r - q_j, 0)) and the next sibling is
+  tried; when every child is rejected, the committed token is drawn from r.
+
+Why sampling is exact. The one-candidate lemma of speculative sampling: if c ~ q, accepting it with probability
+min(1, r(c)/q(c)) and otherwise drawing from normalize(max(r - q, 0)) outputs a draw from r, for any laws r and q.
+Trying child j is that lemma with r = the current residual and q = q_j, where the "otherwise" branch is the rest of
+the walk over siblings j+1.. with the new residual, which outputs a draw from that residual by induction on the
+number of siblings left (the last "otherwise" draws it directly). The lemma needs c_j ~ q_j given everything the
+walk has seen, which holds when q_j is the law c_j was actually drawn from given the earlier siblings: for siblings
+drawn without replacement, q with the earlier siblings removed and renormalised; for deterministic candidates (top-k
+children, prompt-lookup matches) the one-hot q_j = delta(c_j), which accepts with probability r(c_j) and removes
+c_j from r. An accepted child continues the walk at its own node with the target's law there, so each committed
+token is a draw from the target's law after the tokens before it. Using a q_j that is not c_j's law (siblings drawn
+with replacement but verified as without, or a residual not updated after a rejection) biases the output, and the
+tests catch both.
+
+Shapes: B rows, N nodes, V vocabulary, D the tree's depth bound, F its branching bound (both static).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from .sampling import sample_from_probs
+
+ROOT = -1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftTree:
+    tokens: jax.Array  # [B, N] int32 node tokens; nodes at or past `count` are padding
+    parents: jax.Array  # [B, N] int32 parent node, ROOT for the root's children; parents[b, i] < i
+    ranks: jax.Array  # [B, N] int32 rank among siblings (0 first), the order they were proposed in
+    count: jax.Array  # [B] int32 valid nodes
+    # [B, N, V] the law node i was drawn from given its parent and its earlier siblings (processed, over the
+    # target's vocabulary), or None for deterministic candidates (one-hot q)
+    probs: jax.Array | None = None
+
+    @property
+    def valid(self) -> jax.Array:  # [B, N] bool
+        return jnp.arange(self.tokens.shape[1])[None, :] < self.count[:, None]
+
+    def depths(self) -> jax.Array:
+        """[B, N] int32: 1 for the root's children, 2 for theirs, ... (a node's position is the root's + depth)."""
+        n = self.tokens.shape[1]
+        depths = jnp.zeros_like(self.parents)
+        for i in range(n):  # static: parents come first, so one pass in node order settles every depth
+            parent_depth = jnp.where(self.parents[:, i] == ROOT, 0,
+                                     jnp.take_along_axis(depths, jnp.maximum(self.parents[:, i:i + 1], 0), 1)[:, 0])
+            depths = depths.at[:, i].set(parent_depth + 1)
+        return depths
+
+    def ancestors(self) -> jax.Array:
+        """[B, N, N] bool: ancestors[b, i, j] when node j is node i or one of its ancestors (what node i's query may
+        see of the tree in the verifying forward)."""
+        n = self.tokens.shape[1]
+        eye = jnp.broadcast_to(jnp.eye(n, dtype=bool), (self.tokens.shape[0], n, n))
+        seen = eye
+        for i in range(n):  # a node sees what its parent sees, and itself
+            parent = self.parents[:, i]
+            inherited = jnp.take_along_axis(seen, jnp.maximum(parent, 0)[:, None, None], axis=1)[:, 0]  # [B, N]
+            row = eye[:, i] | (inherited & (parent != ROOT)[:, None])
+            seen = seen.at[:, i].set(row)
+        return seen
+
+
+def chain(tokens: jax.Array, count: jax.Array, probs: jax.Array | None = None) -> DraftTree:
+    """A chain of drafts [B, K] as a tree of branching 1: node i's parent is node i - 1."""
+    k = tokens.shape[1]
+    parents = jnp.broadcast_to(jnp.arange(k) - 1, tokens.shape).astype(jnp.int32)
+    return DraftTree(tokens=tokens, parents=parents, ranks=jnp.zeros_like(tokens), count=count, probs=probs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeVerdict:
+    accepted: jax.Array  # [B] int32 nodes accepted along the path
+    path: jax.Array  # [B, D] int32 the accepted nodes in depth order (entries at or past `accepted`: -1)
+    tokens: jax.Array  # [B, D + 1] the committed tokens: the path's, then the target's own token
+
+
+def verify_tree(rng: jax.Array, target_logits: jax.Array, tree: DraftTree, depth: int, branching: int,
+                do_sample: bool) -> TreeVerdict:
+    """target_logits [B, N + 1, V] processed (entry 0: after the root; entry i + 1: after node i) -> the verdict.
+
+    Each node's logits must be processed with its own path as the history (its ancestors' tokens), as a chain's
+    are with the drafts before it."""
+    batch = tree.tokens.shape[0]
+    rows = jnp.arange(batch)
+    accept_rng, residual_rng = jax.random.split(rng)
+    # One uniform per (depth, sibling): with branching 1 these are a chain's per-draft uniforms, so a chain verified
+    # as a tree accepts exactly what `verify.speculative_sampling` does with the same key.
+    uniforms = jax.random.uniform(accept_rng, (batch, depth * branching)).reshape(batch, depth, branching)
+    current = jnp.full((batch,), ROOT, jnp.int32)  # the node the walk stands on
+    walking = jnp.ones((batch,), bool)  # the walk has not stopped
+    path = jnp.full((batch, depth), -1, jnp.int32)
+    tokens = jnp.zeros((batch, depth + 1), jnp.int32)
+    accepted = jnp.zeros((batch,), jnp.int32)
+    final = jnp.zeros((batch, target_logits.shape[-1]), jnp.float32)  # the law the own token is drawn from
+    for d in range(depth):
+        logits = target_logits[rows, current + 1]  # [B, V]
+        law = jax.nn.softmax(logits, axis=-1)
+        chosen = jnp.full((batch,), -1, jnp.int32)
+        for j in range(branching):
+            child, exists = _child(tree, current, j)  # [B], [B]
+            exists = exists & walking & (chosen < 0)
+            token = tree.tokens[rows, jnp.maximum(child, 0)]
+            if do_sample:
+                q = (jax.nn.one_hot(token, law.shape[-1], dtype=law.dtype) if tree.probs is None
+                     else tree.probs[rows, jnp.maximum(child, 0)])
+                ratio = law[rows, token] / jnp.maximum(q[rows, token], jnp.finfo(jnp.float32).tiny)
+                take = exists & (uniforms[:, d, j] <= ratio)
+                residual = _residual(law, q)
+                law = jnp.where((exists & ~take)[:, None], residual, law)
+            else:
+                take = exists & (token == jnp.argmax(logits, axis=-1))
+            chosen = jnp.where(take, child, chosen)
+        stops = walking & (chosen < 0)
+        final = jnp.where(stops[:, None], law if do_sample else jax.nn.one_hot(jnp.argmax(logits, -1), law.shape[-1]),
+                          final)
+        moved = walking & (chosen >= 0)
+        path = path.at[:, d].set(jnp.where(moved, chosen, -1))
+        tokens = tokens.at[:, d].set(jnp.where(moved, tree.tokens[rows, jnp.maximum(chosen, 0)], tokens[:, d]))
+        accepted = accepted + moved
+        current = jnp.where(moved, chosen, current)
+        walking = moved
+    # A walk that reached the depth bound takes its own token from the target's law at its last node.
+    leaf_logits = target_logits[rows, current + 1]
+    leaf_law = jax.nn.softmax(leaf_logits, -1) if do_sample else jax.nn.one_hot(jnp.argmax(leaf_logits, -1),
+                                                                                 leaf_logits.shape[-1])
+    final = jnp.where(walking[:, None], leaf_law, final)
+    own = sample_from_probs(residual_rng, final) if do_sample else jnp.argmax(final, axis=-1).astype(jnp.int32)
+    tokens = tokens.at[rows, accepted].set(own)
+    return TreeVerdict(accepted=accepted, path=path, tokens=tokens)
+
+
+def _child(tree: DraftTree, node: jax.Array, rank: int) -> tuple[jax.Array, jax.Array]:
+    """The child of `node` [B] with sibling rank `rank` -> (its index [B], whether it exists [B])."""
+    match = (tree.parents == node[:, None]) & (tree.ranks == rank) & tree.valid  # [B, N]
+    return jnp.argmax(match, axis=1).astype(jnp.int32), jnp.any(match, axis=1)
+
+
+def _residual(law: jax.Array, q: jax.Array) -> jax.Array:
+    """normalize(max(law - q, 0)); where that has no mass (law == q, so rejection had probability zero), the law
+    itself, so that float round-off never yields NaN."""
+    residual = jnp.maximum(law - q, 0.0)
+    total = jnp.sum(residual, axis=-1, keepdims=True)
+    return jnp.where(total > jnp.finfo(jnp.float32).tiny, residual / jnp.maximum(total, 1e-30), law)
