@@ -1,5 +1,6 @@
-"""What the training command lines (`jaxspec-train-mtp`, `jaxspec-train-dflash`) share: the data flags, the data
-cache's folder, and timing the target's generation on this machine for the time estimate."""
+"""What the training command lines (`jaxspec-train-mtp`, `jaxspec-train-dflash`, `jaxspec-train-eagle3`) share: the
+data flags, the data cache's folder, building a tapped corpus, and timing the target's generation on this machine for
+the time estimate."""
 
 from __future__ import annotations
 
@@ -17,13 +18,18 @@ TYPICAL_PROMPT_LEN = 40
 
 
 def default_workdir(model: str, kind: str) -> str:
-    """Where a training run of `kind` ("mtp", "dflash") for `model` (a catalogue name or a folder) keeps its data
-    and checkpoints unless --workdir says otherwise, created if missing."""
-    from jaxspec import catalog
-
-    workdir = os.path.join(catalog.cache_root(), "train", f"{os.path.basename(os.path.normpath(model))}-{kind}")
+    """Where a training run of `kind` ("mtp", "dflash", "eagle3") for `model` (a catalogue name or a folder) keeps
+    its data and checkpoints unless --workdir says otherwise, created if missing."""
+    workdir = workdir_path(model, kind)
     os.makedirs(workdir, exist_ok=True)
     return workdir
+
+
+def workdir_path(model: str, kind: str) -> str:
+    """`default_workdir`'s path, without creating it (to look for another trainer's cached data)."""
+    from jaxspec import catalog
+
+    return os.path.join(catalog.cache_root(), "train", f"{os.path.basename(os.path.normpath(model))}-{kind}")
 
 
 def add_data_flags(p: argparse.ArgumentParser, *, stdlib_windows: int, heldout_prompts: int = 64) -> None:
@@ -99,3 +105,29 @@ def peak_memory_gb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+def build_tapped_corpora(model, args: argparse.Namespace, layer_ids, data, dflash_data):
+    """(training corpus, held-out corpus) of `dflash_data.BlockCorpus`: the target's greedy answers to the training
+    and held-out prompts of the data flags (and --stdlib-windows windows of text, training only) with its taps at
+    `layer_ids`, as jaxspec-train-dflash and jaxspec-train-eagle3 train on them."""
+    from tqdm.auto import tqdm
+
+    tokenizer, module = model.tokenizer, model.module
+    eos = model.eos_token_ids()
+    train_ids = data.prompt_ids(tokenizer, False, args.train_prompts, args.stdlib_share, args.max_prompt_len,
+                                args.seed)
+    heldout_ids = data.prompt_ids(tokenizer, True, args.heldout_prompts, args.stdlib_share, args.max_prompt_len,
+                                  args.seed)
+    with tqdm(total=len(train_ids) + len(heldout_ids), desc="answering", unit="prompt") as bar:
+        heldout = dflash_data.generated_block_corpus(module, heldout_ids, args.seq_len, args.gen_batch_size, eos,
+                                                     layer_ids, progress=bar.update)
+        train_corpus = dflash_data.generated_block_corpus(module, train_ids, args.seq_len, args.gen_batch_size, eos,
+                                                          layer_ids, progress=bar.update)
+    windows = data.stdlib_windows(tokenizer, args.seq_len, args.stdlib_windows, args.seed)
+    if len(windows):
+        with tqdm(total=len(windows), desc="stdlib windows", unit="row") as bar:
+            text = dflash_data.block_corpus(module, windows, [args.seq_len] * len(windows), [0] * len(windows),
+                                            layer_ids, args.batch_size, bar.update)
+        train_corpus = dflash_data.concat([train_corpus, text])
+    return train_corpus, heldout

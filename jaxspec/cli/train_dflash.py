@@ -36,8 +36,8 @@ import os
 import sys
 import time
 
-from .train_common import (add_data_flags, check_data_flags, data_folder, data_recipe, default_workdir,
-                           generation_seconds, generation_step_seconds, peak_memory_gb, timed)
+from .train_common import (add_data_flags, build_tapped_corpora, check_data_flags, data_folder, data_recipe,
+                           default_workdir, generation_seconds, generation_step_seconds, peak_memory_gb, timed)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     train_corpus, heldout = cached
     if need_data:
         start = time.perf_counter()
-        train_corpus, heldout = _build_data(model, args, layer_ids, data, dflash_data)
+        train_corpus, heldout = build_tapped_corpora(model, args, layer_ids, data, dflash_data)
         data.save(train_corpus, os.path.join(data_dir, "train"), recipe)
         data.save(heldout, os.path.join(data_dir, "heldout"), recipe)
         print(f"data: {len(train_corpus)} training rows ({train_corpus.num_tokens} tokens) and {len(heldout)} "
@@ -193,30 +193,6 @@ def main(argv=None) -> int:
                     "train_config": result.history["settings"]}
         print(f"wrote {save_dflash_drafter(result.model, args.out, training=training)}")
     return 0
-
-
-def _build_data(model, args, layer_ids, data, dflash_data):
-    """(training corpus, held-out corpus): the target's answers (and stdlib windows) with its taps."""
-    from tqdm.auto import tqdm
-
-    tokenizer, module = model.tokenizer, model.module
-    eos = model.eos_token_ids()
-    train_ids = data.prompt_ids(tokenizer, False, args.train_prompts, args.stdlib_share, args.max_prompt_len,
-                                args.seed)
-    heldout_ids = data.prompt_ids(tokenizer, True, args.heldout_prompts, args.stdlib_share, args.max_prompt_len,
-                                  args.seed)
-    with tqdm(total=len(train_ids) + len(heldout_ids), desc="answering", unit="prompt") as bar:
-        heldout = dflash_data.generated_block_corpus(module, heldout_ids, args.seq_len, args.gen_batch_size, eos,
-                                                     layer_ids, progress=bar.update)
-        train_corpus = dflash_data.generated_block_corpus(module, train_ids, args.seq_len, args.gen_batch_size, eos,
-                                                          layer_ids, progress=bar.update)
-    windows = data.stdlib_windows(tokenizer, args.seq_len, args.stdlib_windows, args.seed)
-    if len(windows):
-        with tqdm(total=len(windows), desc="stdlib windows", unit="row") as bar:
-            text = dflash_data.block_corpus(module, windows, [args.seq_len] * len(windows), [0] * len(windows),
-                                            layer_ids, args.batch_size, bar.update)
-        train_corpus = dflash_data.concat([train_corpus, text])
-    return train_corpus, heldout
 
 
 def _calibrate(model, probe, args, need_data: bool) -> dict[str, float]:
