@@ -81,6 +81,21 @@ def write_at_positions(buffer: jax.Array, layer: int | jax.Array, positions: jax
     return buffer.at[layer, rows, ..., positions, :].set(entries.astype(buffer.dtype), mode="drop")
 
 
+def move_entries(buffer: jax.Array, start: jax.Array, source: jax.Array) -> jax.Array:
+    """Any cache stack of this module, [L, B, ..., S, F], with the entry in slot start + source[b, j] copied to slot
+    start + j, for every layer (start [B], source [B, W]). After a tree-shaped verify block (jaxspec/tree.py), this
+    moves the accepted path's entries to consecutive positions, so rollback stays a length."""
+    rows = jnp.arange(source.shape[0])[:, None]  # [B, 1]
+    width = source.shape[1]
+    taken = buffer[:, rows, ..., start[:, None] + source, :]  # [B, W, L, ..., F]: the indexed axes come first
+    return buffer.at[:, rows, ..., start[:, None] + jnp.arange(width)[None, :], :].set(taken, mode="drop")
+
+
+def move_kv_entries(cache: KVCache, start: jax.Array, source: jax.Array) -> KVCache:
+    """`move_entries` on both of a KVCache's stacks."""
+    return KVCache(k=move_entries(cache.k, start, source), v=move_entries(cache.v, start, source))
+
+
 # Multi-head latent attention (DeepSeek-V2/V3) caches what its keys and values are computed from, not the keys and
 # values: one latent shared by every head, and one rope key shared by every head. Neither splits with the heads, so
 # their feature axes are replicated (`head_dim` maps to no mesh axis).

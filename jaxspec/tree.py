@@ -90,6 +90,41 @@ def chain(tokens: jax.Array, count: jax.Array, probs: jax.Array | None = None) -
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class TreeBlock:
+    """How the target's verifying forward lays out a tree: block entry 0 is the root, entry i + 1 is node i. Entry j
+    is written to cache slot start + j (so siblings, which share a position, never share a slot), at rope position
+    start + its depth, and sees the committed entries (slots below start) and its ancestors in the block
+    (models/layers.py `tree_attention`). `jaxspec.cache.move_entries` then moves the accepted path to consecutive
+    slots."""
+
+    start: jax.Array  # [B] int32, the root's slot: the row's committed length - 1
+    ancestors: jax.Array  # [B, W, W] bool: ancestors[b, i, j] when entry j is entry i or one of its ancestors
+
+    def slots(self) -> jax.Array:  # [B, W]
+        return self.start[:, None] + jnp.arange(self.ancestors.shape[1])[None, :]
+
+
+def tree_block(tree: DraftTree, start: jax.Array) -> tuple[TreeBlock, jax.Array]:
+    """The verify block of `tree` below a root in slot `start` [B] -> (its TreeBlock, rope positions [B, N + 1])."""
+    batch, n = tree.tokens.shape
+    nodes = tree.ancestors()  # [B, N, N]
+    ancestors = jnp.zeros((batch, n + 1, n + 1), bool).at[:, :, 0].set(True).at[:, 1:, 1:].set(nodes)
+    depths = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), tree.depths()], axis=1)
+    return TreeBlock(start=start, ancestors=ancestors), start[:, None] + depths
+
+
+def path_sources(verdict: "TreeVerdict", width: int) -> jax.Array:
+    """[B, W]: for `jaxspec.cache.move_entries`, the block entry each slot start + j takes after verification: the
+    root stays, slot d (1 <= d <= accepted) takes the path's node at depth d, the rest keep their own entry."""
+    batch, depth = verdict.path.shape
+    sources = jnp.broadcast_to(jnp.arange(width), (batch, width))
+    on_path = jnp.arange(depth)[None, :] < verdict.accepted[:, None]
+    moved = jnp.where(on_path, verdict.path + 1, jnp.arange(1, depth + 1)[None, :])
+    return sources.at[:, 1:depth + 1].set(moved)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class TreeVerdict:
     accepted: jax.Array  # [B] int32 nodes accepted along the path
     path: jax.Array  # [B, D] int32 the accepted nodes in depth order (entries at or past `accepted`: -1)

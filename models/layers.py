@@ -327,6 +327,37 @@ def windowed_attention(
     return grouped_attention(q, k_cache, v_cache, visible, scale, softcap)
 
 
+def tree_visibility(start: jax.Array, ancestors: jax.Array, positions: jax.Array, size: int,
+                    window: int | None = None) -> jax.Array:
+    """Keys each entry of a tree-shaped verify block sees (jaxspec/tree.py `TreeBlock`): the committed entries, in
+    slots below `start`, and the block's entries that are the entry itself or its ancestors. [B, W, S]
+
+    start [B]: the slot of the block's entry 0 (entry j sits in slot start + j); ancestors [B, W, W] bool; positions
+    [B, W]: the entries' rope positions (start + depth), by which a sliding `window` measures distance (a committed
+    entry's position is its slot)."""
+    width = positions.shape[1]
+    rel = jnp.arange(size)[None, :] - start[:, None]  # [B, S]: the block entry in each slot
+    in_block = (rel >= 0) & (rel < width)
+    entry = jnp.clip(rel, 0, width - 1)
+    related = jnp.take_along_axis(ancestors, jnp.broadcast_to(entry[:, None, :], (*positions.shape, size)), axis=2)
+    visible = (rel < 0)[:, None, :] | (in_block[:, None, :] & related)
+    if window is not None:
+        key_position = jnp.where(in_block, jnp.take_along_axis(positions, entry, axis=1), jnp.arange(size)[None, :])
+        visible &= key_position[:, None, :] > positions[:, :, None] - window
+    return visible
+
+
+def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slots: jax.Array, scale: float,
+                   start: jax.Array, ancestors: jax.Array, positions: jax.Array, window: int | None = None
+                   ) -> jax.Array:
+    """Grouped-query attention of a tree-shaped verify block whose entries were written at `slots` [B, W]
+    (start + 0 .. W-1): see `tree_visibility`. q: [B, W, H, Dh]; k_cache, v_cache: [B, K, S, Dh]. `slots` is what
+    `attend_live` sizes the cache prefix by. Returns [B, W, H, Dv]."""
+    del slots  # every slot a query may see is below start + W, which attend_live's prefix holds
+    visible = tree_visibility(start, ancestors, positions, k_cache.shape[2], window)
+    return grouped_attention(q, k_cache, v_cache, visible, scale)
+
+
 def init_value(name: str, shape: tuple[int, ...], dtype, rngs) -> jax.Array:
     """A fresh parameter by the naming convention the families share: norms start at one, biases (`b*`) at zero,
     matrices small and random (`rngs`: an nnx.Rngs). Loading replaces every value; this only gives shapes and

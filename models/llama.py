@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,9 @@ from jaxspec.cache import KVCache, init_kv_cache, write_kv
 
 from . import int8 as I
 from . import layers as L
+
+if TYPE_CHECKING:
+    from jaxspec.tree import TreeBlock
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -258,13 +261,15 @@ class LlamaForCausalLM(nnx.Module):
         return I.lookup(I.weight(self, "embed"), tokens, self.dtype)  # [B, T, D]
 
     def run_layers(
-        self, x: jax.Array, positions: jax.Array, cache: KVCache, start: int = 0, stop: int | None = None
+        self, x: jax.Array, positions: jax.Array, cache: KVCache, start: int = 0, stop: int | None = None,
+        tree: TreeBlock | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        """Run decoder layers [start, stop) on x: [B, T, D], writing their cache entries at `positions`."""
+        """Run decoder layers [start, stop) on x: [B, T, D], writing their cache entries at `positions`; for a
+        tree-shaped block (`tree`), at its slots, with `positions` the entries' rope positions."""
         stop = self.cfg.num_layers if stop is None else stop
         for index in range(start, stop):
             p = self.layers[index].params()
-            x, cache = _layer_call(self.cfg, p, x, positions, cache, index, window=self.cfg.window(index))
+            x, cache = _layer_call(self.cfg, p, x, positions, cache, index, window=self.cfg.window(index), tree=tree)
         return x, cache
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
@@ -280,8 +285,9 @@ class LlamaForCausalLM(nnx.Module):
         """[D, V]: the tied embedding, transposed (a view XLA folds into the product), or the untied head."""
         return I.weight(self, "embed").T if self.cfg.tie_word_embeddings else I.weight(self, "lm_head")
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, head: jax.Array | None = None):
-        x, cache = self.run_layers(self.embed_tokens(tokens), positions, cache)
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, head: jax.Array | None = None,
+                 tree: TreeBlock | None = None):
+        x, cache = self.run_layers(self.embed_tokens(tokens), positions, cache, tree=tree)
         hidden = self.final_hidden(x)
         return self.logits(hidden, head), hidden, cache
 
@@ -358,22 +364,23 @@ class LlamaForCausalLM(nnx.Module):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "first", "window"))
-def _layer_call(cfg: LlamaConfig, p, x, positions, cache: KVCache, index, first: int = 0, window: int | None = None
-                ) -> tuple[jax.Array, KVCache]:
+def _layer_call(cfg: LlamaConfig, p, x, positions, cache: KVCache, index, first: int = 0, window: int | None = None,
+                tree: TreeBlock | None = None) -> tuple[jax.Array, KVCache]:
     """`_decoder_layer` as one call that every layer of the same shapes shares, `index` a traced layer number.
 
     An unrolled forward otherwise traces and lowers the block once per layer, per verify width and per branch: 240
     blocks for SmolLM2's prompt-lookup loop. A call is traced and lowered once per distinct shape, and XLA inlines
     it again (the layer number becomes a constant), so the compiled step is the unrolled one.
     """
-    return _decoder_layer(cfg, p, x, positions, cache, index, cfg.inv_freq(), first=first, window=window)
+    return _decoder_layer(cfg, p, x, positions, cache, index, cfg.inv_freq(), first=first, window=window, tree=tree)
 
 
 def _decoder_layer(cfg: LlamaConfig, p, x, positions, cache: KVCache, index, inv_freq, first: int = 0,
-                   window: int | None = None) -> tuple[jax.Array, KVCache]:
+                   window: int | None = None, tree: TreeBlock | None = None) -> tuple[jax.Array, KVCache]:
     """One pre-norm block. p: this layer's params; cache: every layer's, written at layer `index`. Attention sees
     cache entries from position `first` on (an MTP depth k has none below k+1), and only the last `window`
-    positions when the layer slides (Qwen2/Qwen3's use_sliding_window)."""
+    positions when the layer slides (Qwen2/Qwen3's use_sliding_window). A tree-shaped block (`tree`) is written at
+    its slots and attends as jaxspec/tree.py lays it out."""
     h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q = I.project("btd,dhk->bthk", h, p["wq"])  # [B, T, H, Dh]
     k = I.project("btd,dhk->bthk", h, p["wk"])  # [B, T, K, Dh]
@@ -384,20 +391,31 @@ def _decoder_layer(cfg: LlamaConfig, p, x, positions, cache: KVCache, index, inv
         q, k = L.rms_norm(q, p["q_norm"], cfg.rms_norm_eps), L.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = L.apply_rope(q, positions, inv_freq)
     k = L.apply_rope(k, positions, inv_freq)
-    cache = write_kv(cache, index, positions, k, v)
     scale = cfg.head_dim**-0.5
+    if tree is not None:
+        slots = tree.slots()
+        cache = write_kv(cache, index, slots, k, v)
+        attn = L.attend_live(L.tree_attention, q, cache.k, cache.v, slots, scale, tree.start, tree.ancestors,
+                             positions, window, layer=index)
+        return _block_output(cfg, p, x, attn), cache
+    cache = write_kv(cache, index, positions, k, v)
     if first:
         attn = L.attend_live(L.cached_attention_window, q, cache.k, cache.v, positions, scale, first, layer=index)
     elif window is not None:
         attn = L.attend_live(L.windowed_attention, q, cache.k, cache.v, positions, scale, window, layer=index)
     else:
         attn = L.attend_live(L.cached_attention, q, cache.k, cache.v, positions, scale, layer=index)
+    return _block_output(cfg, p, x, attn), cache
+
+
+def _block_output(cfg: LlamaConfig, p, x, attn) -> jax.Array:
+    """The rest of the block after attention [B, T, H, Dh]: output projection, residual, MLP."""
     out = I.project("bthk,hkd->btd", attn, p["wo"])
     if cfg.o_bias:
         out = out + p["bo"]
     x = x + out
     h = L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    return x + L.gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"]), cache
+    return x + L.gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
 
 
 def _qwen_sliding_layers(hf: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:

@@ -1,0 +1,66 @@
+"""A tree-shaped verify block through the Llama family's forward (jaxspec/tree.py `TreeBlock`): each node's logits
+equal a chain forward over its own path, and after the accepted path's entries are moved to consecutive slots, the
+cache holds what a chain run over that path writes."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec import tree as tree_lib
+from jaxspec.cache import move_kv_entries
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+# root (the prompt's last token) -> node 0 (21) -> node 2 (23) ; root -> node 1 (22) -> node 3 (24) -> node 4 (25)
+TOKENS = [21, 22, 23, 24, 25]
+PARENTS = [-1, -1, 0, 1, 3]
+RANKS = [0, 1, 0, 0, 0]
+PATHS = {0: [], 1: [0], 2: [1], 3: [0, 2], 4: [1, 3], 5: [1, 3, 4]}  # block entry -> its nodes below the root
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir):
+    return jaxspec.load(tiny_llama_dir).module
+
+
+def _prefilled(model, size=32):
+    """The cache after the prompt's first P - 1 tokens (the root, the last one, is fed with the block)."""
+    cache = model.init_cache(1, size)
+    ids = jnp.asarray([PROMPT[:-1]])
+    _, _, cache = model(ids, jnp.arange(ids.shape[1])[None], cache)
+    return cache
+
+
+def _chain(model, cache, nodes):
+    """A plain causal forward over [root, nodes' tokens] at consecutive positions -> (logits, cache)."""
+    ids = jnp.asarray([[PROMPT[-1]] + [TOKENS[i] for i in nodes]])
+    start = len(PROMPT) - 1
+    logits, _, cache = model(ids, start + jnp.arange(ids.shape[1])[None], cache)
+    return logits, cache
+
+
+def test_each_node_sees_its_path_and_the_accepted_path_compacts_to_a_chain(model):
+    tree = tree_lib.DraftTree(tokens=jnp.asarray([TOKENS]), parents=jnp.asarray([PARENTS]),
+                              ranks=jnp.asarray([RANKS]), count=jnp.asarray([5]))
+    start = jnp.asarray([len(PROMPT) - 1])
+    block, positions = tree_lib.tree_block(tree, start)
+    np.testing.assert_array_equal(positions[0], start[0] + np.array([0, 1, 1, 2, 2, 3]))
+    ids = jnp.asarray([[PROMPT[-1]] + TOKENS])
+    logits, _, cache = model(ids, positions, _prefilled(model), tree=block)
+    for entry, nodes in PATHS.items():
+        expected, _ = _chain(model, _prefilled(model), nodes)
+        np.testing.assert_allclose(logits[0, entry], expected[0, -1], rtol=1e-5, atol=1e-5)
+
+    # Accept nodes 1 and 3 (depths 1 and 2): slots start+1, start+2 take block entries 2 and 4.
+    verdict = tree_lib.TreeVerdict(accepted=jnp.asarray([2]), path=jnp.asarray([[1, 3, -1]]),
+                                   tokens=jnp.zeros((1, 4), jnp.int32))
+    sources = tree_lib.path_sources(verdict, width=6)
+    np.testing.assert_array_equal(sources[0], [0, 2, 4, 3, 4, 5])
+    moved = move_kv_entries(cache, start, sources)
+    _, chain_cache = _chain(model, _prefilled(model), [1, 3])
+    end = len(PROMPT) + 2  # the committed prompt, the root and the two accepted nodes
+    for layer in range(model.cfg.num_layers):
+        np.testing.assert_allclose(moved.k[layer, 0, :, :end], chain_cache.k[layer, 0, :, :end], atol=1e-5)
+        np.testing.assert_allclose(moved.v[layer, 0, :, :end], chain_cache.v[layer, 0, :, :end], atol=1e-5)
