@@ -15,7 +15,10 @@ median of `--repeats` calls, interleaved) and the ratio to plain decoding, side 
   tokenizer runs universal decoding). A round's cost minus the fixed-draft round of the same d is what the assistant's
   d drafts cost, in plain steps of the target: the figure the adaptive schedule prices as `draft_cost` per draft.
   A DFlash drafter (`--assistant smollm2-135m-dflash --assistant-drafts 1,3,7`) drafts a block in one forward
-  whatever d is: the difference is that forward, the schedule's `round_cost`.
+  whatever d is: the difference is that forward, the schedule's `round_cost`. An EAGLE-3 head (`--assistant
+  smollm2-135m-eagle3 --assistant-drafts 1,4 --max-draft 4`) runs its window of K + 1 entries every round and one
+  head step per draft after the first: the difference between its d = 1 and d = 4 rounds, beyond the fixed drafts',
+  is three head steps.
 
 The table also goes to a JSON record in `--results` (benchmarks/_record.py). Run it as a script, as above: its
 siblings in benchmarks/ (the prompt set, the record) import because Python puts the script's folder on sys.path.
@@ -83,10 +86,12 @@ def main(argv=None) -> None:
 
     if args.assistant:
         from jaxspec.strategies.dflash import is_block_drafter
+        from jaxspec.strategies.eagle3 import is_eagle3_head
 
         assistant = jaxspec.load(args.assistant)
-        # A DFlash drafter drafts its block in one forward and has no confidence stop to turn off.
-        no_confidence_stop = {} if is_block_drafter(assistant) else {"assistant_confidence_threshold": 0.0}
+        # DFlash drafters and EAGLE-3 heads have no confidence stop to turn off.
+        feature_drafter = is_block_drafter(assistant) or is_eagle3_head(assistant)
+        no_confidence_stop = {} if feature_drafter else {"assistant_confidence_threshold": 0.0}
         for d in (int(x) for x in args.assistant_drafts.split(",")):
             drafters[f"{args.assistant}, {d} draft(s)"] = dict(
                 assistant_model=assistant, num_assistant_tokens=d, num_assistant_tokens_schedule="constant",
