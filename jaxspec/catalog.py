@@ -75,7 +75,8 @@ CATALOG: dict[str, CatalogEntry] = {
             gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             licence="Apache-2.0",
             mtp_asset="smollm2-135m-mtp",  # 3 MTP layers trained by scripts/train_mtp.py (jaxspec/assets)
-            drafter_assets=(("dflash", "smollm2-135m-dflash"),),  # trained by scripts/train_dflash.py
+            # trained by scripts/train_dflash.py and scripts/train_eagle3.py (jaxspec/assets)
+            drafter_assets=(("dflash", "smollm2-135m-dflash"), ("eagle3", "smollm2-135m-eagle3")),
         ),
         CatalogEntry(
             name="qwen2.5-coder-0.5b",
