@@ -36,12 +36,15 @@ class CausalLM(Protocol):
     embed: Any  # nnx.Param [V, D], the token embedding (jaxspec/head.py copies it as the tied head [D, V])
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache,
-                 head: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Cache]:
+                 head: jax.Array | None = None, tree: Any = None) -> tuple[jax.Array, jax.Array, Cache]:
         """tokens [B, T] int32, positions [B, T] int32 -> logits [B, T, V] float32, hidden [B, T, D], cache.
 
         `hidden` is the final-normed last hidden state (what an LM head or an MTP layer reads). Entries are written
         to the cache at `positions`; attention sees each row's entries at positions <= the query's. `head`: a [D, V]
-        head to use instead of the model's own (`jaxspec.head.verify_head`)."""
+        head to use instead of the model's own (`jaxspec.head.verify_head`). `tree`: a `jaxspec.tree.TreeBlock`, for
+        a block shaped as a draft tree (entries written at its slots, `positions` their rope positions, attention
+        to the committed entries and each entry's ancestors); families without tree attention raise
+        NotImplementedError for one."""
         ...
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -50,9 +53,10 @@ class CausalLM(Protocol):
         ...
 
     def run_layers(self, x: jax.Array, positions: jax.Array, cache: Cache, start: int = 0,
-                   stop: int | None = None) -> tuple[jax.Array, Cache]:
+                   stop: int | None = None, tree: Any = None) -> tuple[jax.Array, Cache]:
         """Decoder layers [start, stop) (stop None: to the last): x [B, T, D], positions [B, T] -> x [B, T, D], cache
-        with those layers' entries written at `positions`. Not final-normed."""
+        with those layers' entries written at `positions` (or a `tree`'s slots, as for `__call__`). Not
+        final-normed."""
         ...
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
@@ -186,4 +190,40 @@ class BlockDrafterModel(Protocol):
 
     def block_tokens(self, bonus: jax.Array) -> jax.Array:
         """bonus [B] -> the block's tokens [B, W]: the bonus token, then W - 1 mask tokens."""
+        ...
+
+
+@runtime_checkable
+class Eagle3HeadModel(Protocol):
+    """An EAGLE-3 draft head (`jaxspec.models.eagle3`): one decoder layer over [embedding; feature] (2 D wide), its
+    feature `fc` over three tapped target layers for committed entries and the previous entry's output for drafts,
+    its own position-indexed cache and a head over a draft vocabulary mapped into the target's (`vocab_ids`)."""
+
+    cfg: Any  # Eagle3Config (reads: hidden_size, own_embedding, vocab_size, layer_ids(n), check_target)
+    dtype: Any
+
+    def project_features(self, taps: jax.Array) -> jax.Array:
+        """taps [B, T, 3 D_t] (the tapped layers' outputs in the head's layer order) -> g [B, T, D]."""
+        ...
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] -> [B, T, D] from the head's own table (only heads with `cfg.own_embedding` have one)."""
+        ...
+
+    def init_cache(self, batch: int, size: int) -> Cache:
+        """An empty cache of the head's entries for B = `batch` rows of S = `size` positions."""
+        ...
+
+    def step(self, embeds: jax.Array, hidden: jax.Array, positions: jax.Array, cache: Cache
+             ) -> tuple[jax.Array, Cache]:
+        """Entries at positions [B, T] from embeds and hidden [B, T, D] (g, or a previous entry's output) -> (their
+        outputs [B, T, D], the cache with them written). Each query sees entries at positions <= its own."""
+        ...
+
+    def logits(self, outputs: jax.Array) -> jax.Array:
+        """Draft-vocabulary logits [..., V'] float32 from entry outputs [..., D]."""
+        ...
+
+    def target_logits(self, outputs: jax.Array) -> jax.Array:
+        """The same over the target's vocabulary [..., V]: -inf outside the draft vocabulary."""
         ...

@@ -505,13 +505,17 @@ class GemmaForCausalLM(nnx.Module):
         return combined.reshape(token_part.shape)
 
     def run_layers(
-        self, x: jax.Array, positions: jax.Array, cache: GemmaCache, start: int = 0, stop: int | None = None
+        self, x: jax.Array, positions: jax.Array, cache: GemmaCache, start: int = 0, stop: int | None = None,
+        tree=None,
     ) -> tuple[jax.Array, GemmaCache]:
         """Run decoder layers [start, stop) on x, writing their cache entries at `positions`. -> ([B, T, D], cache)
 
         x: `embed_tokens` output, or a [B, T, D] hidden state when starting past layer 0 (see the module docstring
         for where per-layer inputs come from then).
         """
+        if tree is not None:
+            raise NotImplementedError(f"tree-shaped verify blocks need tree attention, which {type(self).__name__} "
+                                      "does not have yet (the Llama family, Qwen2 and Qwen3 have it).")
         cfg = self.cfg
         stop = cfg.num_layers if stop is None else stop
         x, per_layer, cache = self._split_per_layer_inputs(x, positions, cache, start, stop)
@@ -556,8 +560,9 @@ class GemmaForCausalLM(nnx.Module):
         """[D, V]: the tied embedding, transposed (a view XLA folds into the product), or the untied head."""
         return I.weight(self, "embed").T if self.cfg.tie_word_embeddings else I.weight(self, "lm_head")
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: GemmaCache, head: jax.Array | None = None):
-        x, cache = self.run_layers(self.embed_tokens(tokens), positions, cache)
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: GemmaCache, head: jax.Array | None = None,
+                 tree=None):
+        x, cache = self.run_layers(self.embed_tokens(tokens), positions, cache, tree=tree)
         hidden = self.final_hidden(x)
         return self.logits(hidden, head), hidden, cache
 

@@ -462,8 +462,12 @@ class MoeCausalLM(nnx.Module):
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return self.embed[...][tokens]  # [B, T, D]
 
-    def run_layers(self, x: jax.Array, positions: jax.Array, cache, start: int = 0, stop: int | None = None):
+    def run_layers(self, x: jax.Array, positions: jax.Array, cache, start: int = 0, stop: int | None = None,
+                   tree=None):
         """Run decoder layers [start, stop) on x: [B, T, D], writing their cache entries at `positions`."""
+        if tree is not None:
+            raise NotImplementedError(f"tree-shaped verify blocks need tree attention, which {type(self).__name__} "
+                                      "does not have yet (the Llama family, Qwen2 and Qwen3 have it).")
         stop = self.cfg.num_layers if stop is None else stop
         n_dense = self.cfg.moe.first_dense_layers
         if start < min(stop, n_dense):
@@ -485,8 +489,8 @@ class MoeCausalLM(nnx.Module):
         """[D, V]: the tied embedding, transposed (a view XLA folds into the product), or the untied head."""
         return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache, head: jax.Array | None = None):
-        x, cache = self.run_layers(self.embed_tokens(tokens), positions, cache)
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache, head: jax.Array | None = None, tree=None):
+        x, cache = self.run_layers(self.embed_tokens(tokens), positions, cache, tree=tree)
         hidden = self.final_hidden(x)
         return self.logits(hidden, head), hidden, cache
 

@@ -78,6 +78,7 @@ def test_dflash_drafts_with_the_shipped_drafter_or_needs_an_assistant(cli, folde
     assert "jaxspec ships a DFlash drafter only for smollm2-135m" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~8 s; the default suite runs the eagle3 row through generate()
 def test_eagle3_drafts_with_a_head_folder(cli, folder, capsys, tmp_path):
     """`--strategy eagle3 --assistant FOLDER` drafts with the head and matches plain greedy; without --assistant, a
     model jaxspec ships no head for is an error that says so."""

@@ -16,7 +16,8 @@ import transformers
 from flax import nnx
 
 from jaxspec import registry
-from jaxspec.model_interface import BlockDrafterModel, CausalLM, DrafterModel, DraftVocabModel, MtpModel, SharedKvModel
+from jaxspec.model_interface import (BlockDrafterModel, CausalLM, DrafterModel, DraftVocabModel, Eagle3HeadModel, MtpModel,
+                                     SharedKvModel)
 
 B, T, S = 2, 3, 8
 
@@ -50,6 +51,10 @@ DFLASH_DRAFTERS = {  # both layouts of the DFlash block drafter: transformers' o
 }
 
 
+EAGLE3_HEAD = dict(DENSE, architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+                   draft_vocab_size=48, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+
+
 def _hf(config_cls, **kwargs) -> dict:
     """config.json as transformers writes it for these settings."""
     return config_cls(**kwargs).to_dict()
@@ -70,8 +75,9 @@ CASES = {
        for family, (config_cls, overrides) in GEMMA.items()},
     "gemma4_assistant": ("gemma4_assistant", GEMMA4_DRAFTER, (DrafterModel,)),
     **{key: (key, hf_config, (BlockDrafterModel,)) for key, hf_config in DFLASH_DRAFTERS.items()},
+    "LlamaForCausalLMEagle3": ("LlamaForCausalLMEagle3", EAGLE3_HEAD, (Eagle3HeadModel,)),
 }
-PROTOCOLS = (CausalLM, MtpModel, DraftVocabModel, SharedKvModel, DrafterModel, BlockDrafterModel)
+PROTOCOLS = (CausalLM, MtpModel, DraftVocabModel, SharedKvModel, DrafterModel, BlockDrafterModel, Eagle3HeadModel)
 
 
 def _module(case: str):
@@ -170,12 +176,13 @@ def test_a_renamed_parameter_fails_the_check():
     """The negative control of `signature_mismatches`: a module whose `run_layers` renames `stop` is caught."""
 
     class Renamed(type(_module("llama"))):
-        def run_layers(self, x, positions, cache, start=0, end=None):
-            return super().run_layers(x, positions, cache, start, end)
+        def run_layers(self, x, positions, cache, start=0, end=None, tree=None):
+            return super().run_layers(x, positions, cache, start, end, tree)
 
     assert signature_mismatches(CausalLM, Renamed) == [
         "run_layers: [('self', <class 'inspect._empty'>), ('x', <class 'inspect._empty'>), "
-        "('positions', <class 'inspect._empty'>), ('cache', <class 'inspect._empty'>), ('start', 0), ('end', None)] "
-        "!= [('self', <class 'inspect._empty'>), ('x', <class 'inspect._empty'>), "
-        "('positions', <class 'inspect._empty'>), ('cache', <class 'inspect._empty'>), ('start', 0), ('stop', None)]"
+        "('positions', <class 'inspect._empty'>), ('cache', <class 'inspect._empty'>), ('start', 0), ('end', None), "
+        "('tree', None)] != [('self', <class 'inspect._empty'>), ('x', <class 'inspect._empty'>), "
+        "('positions', <class 'inspect._empty'>), ('cache', <class 'inspect._empty'>), ('start', 0), ('stop', None), "
+        "('tree', None)]"
     ]

@@ -88,7 +88,7 @@ def test_greedy_equals_plain_greedy_and_transformers(tiny_llama_dir, target, kwa
     np.testing.assert_array_equal(single.sequences[:, : expected.shape[1]], expected)
 
 
-@pytest.mark.parametrize("strategy", ["prompt_lookup", "early_exit"])
+@pytest.mark.parametrize("strategy", ["prompt_lookup", pytest.param("early_exit", marks=pytest.mark.slow)])
 def test_rounds_equal_a_replay_with_transformers(tiny_llama_dir, target, strategy):
     """Each round's accepted count equals what HF's own candidate generator (prompt lookup) or HF's early-exit
     drafts (layers [0, E), final norm, LM head) and HF's target give from the same committed sequence."""

@@ -71,6 +71,7 @@ def test_greedy_equals_transformers_assisted_generate(tiny_llama_dir, tiny_llama
         np.testing.assert_array_equal(out.sequences[:, : expected.shape[1]], expected)
 
 
+@pytest.mark.slow  # ~15 s
 def test_settings_come_from_the_assistant_generation_config(tiny_llama_draft_dir, target, plain):
     draft = jaxspec.load(tiny_llama_draft_dir)
     draft.generation_config.update(num_assistant_tokens=3, assistant_confidence_threshold=0.0,
@@ -281,6 +282,7 @@ def test_heuristic_schedule_persists_without_recompiling(tiny_llama_dir, target)
     assert loop.trace_count() == before  # the persisted length moves inside one compiled buffer
 
 
+@pytest.mark.slow  # tests/decode/test_exactness.py checks speculative sampling with 22,785 rows in the default suite
 def test_sampling_is_exact(tiny_llama_dir, target, draft):
     """End to end, 6000 rows: the first three sampled tokens (the prefill's, then a round with up to 3 drafts)
     follow the target's exact law over the whole vocabulary; the lossy ensemble does not."""

@@ -621,6 +621,7 @@ def test_sampling_is_exact(folders, loaded, near_twin):
         assert oracles.goodness_of_fit(new[:, i], exact[i]) > 1e-3, i
 
 
+@pytest.mark.slow  # ~12 s
 def test_a_quantized_assistant_with_another_tokenizer(loaded, near_twin):
     """An int8 assistant (jaxspec.quantize) drafts in its own vocabulary as its float32 self does: a batch of ragged
     prompts still decodes to plain greedy, with drafts accepted."""

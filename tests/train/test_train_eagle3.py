@@ -160,6 +160,7 @@ def test_loss_is_specforges_recipe_on_the_targets_rows(target, corpus, vocab):
     np.testing.assert_allclose(float(metrics["weight"]), float((weights * counts).sum()), rtol=1e-6)
 
 
+@pytest.mark.slow  # ~6 s of finite differences
 def test_gradients_reach_every_parameter_and_match_finite_differences(target, corpus, vocab):
     """Every trained parameter gets a finite, non-zero gradient; the gradient along a random direction matches
     the loss's central difference; and what lies past a row's end (tokens, taps) changes nothing."""
@@ -215,6 +216,7 @@ def test_draft_vocabulary_is_the_answers_most_frequent_tokens_ascending(corpus, 
     np.testing.assert_array_equal(draft_vocabulary_for(corpus, 500, 128), np.arange(128))  # at least V: all of it
 
 
+@pytest.mark.slow
 def test_fresh_head_drafts_with_the_targets_head_at_its_deepest_layer(target, corpus, vocab):
     """The initial head passes the deepest tapped state through fc and its midlayer (zero output projections), so its
     first drafts are the target's own head over that state, restricted to the draft vocabulary."""
@@ -235,6 +237,7 @@ def test_fresh_head_drafts_with_the_targets_head_at_its_deepest_layer(target, co
 # Training
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss_and_raises_the_replayed_acceptance(trained):
     history = trained[0].history
     first, last = np.mean(history["loss"][:5]), np.mean(history["loss"][-10:])
@@ -268,6 +271,7 @@ def test_resume_is_bit_for_bit(target, corpus, vocab, tmp_path):
 # The export
 
 
+@pytest.mark.slow
 def test_export_is_read_back_by_jaxspec_and_by_specforge(trained, target, corpus, vocab, tmp_path):
     """The folder has SpecForge's layout (no embed_tokens: the head shares the target's); jaxspec.load reads it back
     to the trained params (bfloat16 by default: the params rounded); SpecForge's `from_pretrained` loads it with no
@@ -331,6 +335,7 @@ def test_config_rope_is_read_by_jaxspec_and_transformers(target, rope):
     assert parameters["rope_type"] == ("llama3" if rope else "default")
 
 
+@pytest.mark.slow
 def test_export_decodes_exactly_with_the_replayed_acceptance(trained, target, corpus):
     """Decoding with the exported head (`--strategy eagle3`) gives the target's greedy answers token for token, and
     its accepted and drafted counts are the ones the training loop's replay predicts."""
