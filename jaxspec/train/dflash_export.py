@@ -16,8 +16,6 @@ normed mean of the target's own states.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,16 +24,13 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxspec.checkpoint import atomic_folder
 from jaxspec.convert.llama import layer_hf_tensors
 from jaxspec.loading import Model, build_module
 from jaxspec.models.dflash import DFLASH, DFlashConfig, DFlashDrafter, default_target_layer_ids, layer_param_shapes
 
 from .dflash_data import check_layer_ids
-from .export import write_safetensors
+from .export import write_drafter_folder
 
-WEIGHTS_FILE = "model.safetensors"
-TRAINING_FILE = "training.json"  # what the drafter was trained on and how well it drafts (not read by loaders)
 
 
 def new_dflash_drafter(target, num_layers: int, block_size: int = 16, *,
@@ -181,16 +176,4 @@ def save_dflash_drafter(drafter: Model, folder: str, dtype=ml_dtypes.bfloat16,
     params = nnx.to_pure_dict(nnx.state(drafter.module))
     tensors = dflash_hf_tensors(drafter.config, params, dtype)
     config = drafter.hf_config | {"dtype": np.dtype(dtype).name}
-    folder = os.path.abspath(folder)
-    with atomic_folder(folder) as tmp:
-        write_safetensors(os.path.join(tmp, WEIGHTS_FILE), tensors)
-        _write_json(os.path.join(tmp, "config.json"), config)
-        if training is not None:
-            _write_json(os.path.join(tmp, TRAINING_FILE), training)
-    return folder
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.write("\n")
+    return write_drafter_folder(folder, tensors, config, training)

@@ -25,8 +25,6 @@ as SpecForge's vocabulary mapping chooses it from its loss-bearing tokens; `d2t`
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +32,6 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxspec.checkpoint import atomic_folder
 from jaxspec.convert.llama import layer_hf_tensors
 from jaxspec.loading import Model, build_module
 from jaxspec.models import int8 as I
@@ -43,10 +40,8 @@ from jaxspec.models.eagle3 import EAGLE3, Eagle3Config, Eagle3Head
 
 from .data import draft_vocabulary
 from .dflash_data import BlockCorpus
-from .export import write_safetensors
+from .export import write_drafter_folder
 
-WEIGHTS_FILE = "model.safetensors"
-TRAINING_FILE = "training.json"  # what the head was trained on and how well it drafts (not read by loaders)
 INIT_STD = 0.02  # the random midlayer matrices' scale: transformers' initializer_range, SpecForge's heads' start
 
 
@@ -225,16 +220,4 @@ def save_eagle3_head(head: Model, folder: str, dtype=ml_dtypes.bfloat16, trainin
     params = nnx.to_pure_dict(nnx.state(head.module))
     tensors = eagle3_hf_tensors(head.config, params, dtype)
     config = head.hf_config | {"dtype": np.dtype(dtype).name}
-    folder = os.path.abspath(folder)
-    with atomic_folder(folder) as tmp:
-        write_safetensors(os.path.join(tmp, WEIGHTS_FILE), tensors)
-        _write_json(os.path.join(tmp, "config.json"), config)
-        if training is not None:
-            _write_json(os.path.join(tmp, TRAINING_FILE), training)
-    return folder
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.write("\n")
+    return write_drafter_folder(folder, tensors, config, training)

@@ -104,6 +104,29 @@ def save_mtp_asset(model, folder: str, dtype=ml_dtypes.bfloat16, extra_config: d
     return folder
 
 
+WEIGHTS_FILE = "model.safetensors"
+TRAINING_FILE = "training.json"  # what a drafter was trained on and how well it drafts (not read by loaders)
+
+
+def write_drafter_folder(folder: str, tensors: dict[str, np.ndarray], config: dict[str, Any],
+                         training: dict[str, Any] | None = None) -> str:
+    """A drafter checkpoint folder, written atomically: config.json, model.safetensors (`tensors`) and, when given,
+    training.json. -> the folder's absolute path."""
+    folder = os.path.abspath(folder)
+    with atomic_folder(folder) as tmp:
+        write_safetensors(os.path.join(tmp, WEIGHTS_FILE), tensors)
+        _write_json(os.path.join(tmp, "config.json"), config)
+        if training is not None:
+            _write_json(os.path.join(tmp, TRAINING_FILE), training)
+    return folder
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+
+
 def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
     """The safetensors format without torch: an 8-byte header length, a JSON header, then the raw little-endian
     bytes of each tensor in header order (safetensors' numpy binding has no bfloat16)."""
