@@ -55,8 +55,8 @@ _KNOWN_KEYS = _IGNORED_KEYS | {
     "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "hidden_act", "vocab_size",
     "draft_vocab_size", "target_hidden_size", "eagle_config", "fc_norm", "norm_output", "attention_bias", "mlp_bias",
 }
-_EAGLE_CONFIG_KEYS = frozenset({"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "use_input_layernorm_in_first_layer",
-                                "use_mtp_layernorm"})
+# eagle_config keys; any other (an EAGLE variant's switches) is named as not understood rather than ignored
+_EAGLE_CONFIG_KEYS = frozenset({"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,8 @@ class Eagle3Config:
         rope = L.rope_parameters(hf)
         rope_type = rope.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise NotImplementedError(f"rope type {rope_type!r} is not supported yet; supported: {SUPPORTED_ROPE_TYPES}.")
+            raise NotImplementedError(f"rope type {rope_type!r} is not supported yet; supported: "
+                                      f"{SUPPORTED_ROPE_TYPES}.")
         llama3 = None
         if rope_type == "llama3":
             llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),

@@ -102,6 +102,7 @@ def test_tensor_errors_name_the_tensor(saved_head, edit, message):
     (lambda c: c.update({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 1, 3]}}), ValueError,
      "eagle_aux_hidden_state_layer_ids"),
     (lambda c: c.update({"some_new_key": 1}), ValueError, "some_new_key"),
+    (lambda c: c["eagle_config"].update({"use_mtp_layernorm": True}), ValueError, "use_mtp_layernorm"),
     (lambda c: c.pop("intermediate_size"), CheckpointError, "intermediate_size"),
     (lambda c: c.update({"draft_vocab_size": 500}), ValueError, "draft_vocab_size"),
 ])

@@ -146,5 +146,6 @@ def test_a_head_for_another_target_is_refused_before_compiling(pair, tmp_path):
     target, *_ = pair
     wide = eagle3_fixtures.reference({"hidden_size": 48, "num_attention_heads": 4, "head_dim": 12}, seed=1)
     head = jaxspec.load(eagle3_fixtures.save(wide, tmp_path))
-    with pytest.raises(ValueError, match="fc reads target hidden states of width 48, but the target.s hidden_size is 32"):
+    with pytest.raises(ValueError, match="fc reads target hidden states of width 48, but the target.s hidden_size "
+                                         "is 32"):
         jaxspec.generate(target, PROMPTS[:1], max_new_tokens=4, assistant_model=head)
