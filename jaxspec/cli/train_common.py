@@ -100,6 +100,45 @@ def generation_seconds(args: argparse.Namespace, step_seconds: float) -> float:
     return batches * (args.seq_len - prompt) * step_seconds
 
 
+def tapped_data_rates(model, args: argparse.Namespace, layer_ids, tokens) -> dict[str, float]:
+    """Seconds of the data work a tapped-corpus trainer (DFlash, EAGLE-3) does, measured here: a generation step of
+    a --gen-batch-size batch, and the taps at `layer_ids` of such a batch of rows like `tokens` [B, T]."""
+    import numpy as np
+
+    from jaxspec.train import dflash_data
+
+    length = tokens.shape[1]
+    many = np.resize(tokens, (args.gen_batch_size, length))
+    return {
+        "gen_step": generation_step_seconds(model.module, args.gen_batch_size, args.seq_len),
+        "taps_batch": timed(lambda: dflash_data.block_corpus(
+            model.module, many, np.full(len(many), length), np.zeros(len(many)), layer_ids,
+            args.gen_batch_size).features),
+    }
+
+
+def estimate_tapped_run(args: argparse.Namespace, rates: dict[str, float], need_data: bool) -> dict[str, float]:
+    """Seconds of each stage of a tapped-corpus trainer's run, from `rates` (`tapped_data_rates` when the corpus
+    must be built, and `train_step`, `eval_row`)."""
+    out = {}
+    if need_data:
+        out["generation"] = generation_seconds(args, rates["gen_step"])
+        rows = args.train_prompts + args.heldout_prompts + args.stdlib_windows
+        out["target taps"] = -(-rows // args.gen_batch_size) * rates["taps_batch"]
+    out["training"] = args.steps * rates["train_step"]
+    evaluations = args.steps // args.eval_every + 2  # before the first step, every --eval-every, after the last
+    out["held-out evaluations"] = evaluations * args.heldout_prompts * rates["eval_row"]
+    return out
+
+
+def print_timing(rates: dict[str, float], estimate: dict[str, float]) -> None:
+    """The rates measured here and the run's estimated time, as the training commands print them before starting."""
+    print("measured here: " + ", ".join(f"{k} {v:.3g} s" for k, v in rates.items())
+          + f"; peak memory so far (the target and one train step) {peak_memory_gb():.1f} GB")
+    print("estimated time on this machine: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in estimate.items())
+          + f"; total {sum(estimate.values()) / 60:.0f} min", flush=True)
+
+
 def peak_memory_gb() -> float:
     """This process's peak resident memory so far, in GB (Linux reports kilobytes)."""
     import resource

@@ -37,7 +37,7 @@ import sys
 import time
 
 from .train_common import (add_data_flags, build_tapped_corpora, check_data_flags, data_folder, data_recipe,
-                           default_workdir, generation_seconds, generation_step_seconds, peak_memory_gb, timed)
+                           default_workdir, estimate_tapped_run, print_timing, tapped_data_rates, timed)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
                    for split in ("train", "heldout"))
     need_data = None in cached
     rates = _calibrate(model, probe, args, need_data)
-    estimate = _estimate(args, rates, need_data)
+    estimate = estimate_tapped_run(args, rates, need_data)
     rows = args.train_prompts + args.stdlib_windows
     corpus_gb = dflash_data.corpus_bytes(rows + args.heldout_prompts, args.seq_len, model.config.hidden_size,
                                          len(layer_ids)) / 1e9
@@ -133,10 +133,7 @@ def main(argv=None) -> int:
           f"{list(layer_ids)}; {args.train_prompts} training + {args.heldout_prompts} held-out answers and "
           f"{args.stdlib_windows} stdlib windows of {args.seq_len} tokens ({corpus_gb:.2f} GB of data, at most); "
           f"{args.steps} steps of {args.batch_size} rows x {args.anchors} blocks")
-    print("measured here: " + ", ".join(f"{k} {v:.3g} s" for k, v in rates.items())
-          + f"; peak memory so far (the target and one train step) {peak_memory_gb():.1f} GB")
-    print("estimated time on this machine: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in estimate.items())
-          + f"; total {sum(estimate.values()) / 60:.0f} min", flush=True)
+    print_timing(rates, estimate)
     if args.estimate_only:
         return 0
 
@@ -203,7 +200,6 @@ def _calibrate(model, probe, args, need_data: bool) -> dict[str, float]:
     import numpy as np
     from flax import nnx
 
-    from jaxspec.train import dflash_data
     from jaxspec.train.dflash_loop import EVAL_BLOCKS, EVAL_ROWS
     from jaxspec.train.dflash_losses import default_loss_decay, sample_anchors
     from jaxspec.train.loop import committed
@@ -214,12 +210,7 @@ def _calibrate(model, probe, args, need_data: bool) -> dict[str, float]:
     layer_ids = probe.config.target_layer_ids
     b, t, d, vocab = args.batch_size, args.seq_len, model.config.hidden_size, model.config.vocab_size
     tokens = rng.integers(0, vocab, (b, t)).astype(np.int32)
-    rates = {}
-    if need_data:
-        rates["gen_step"] = generation_step_seconds(model.module, args.gen_batch_size, args.seq_len)
-        many = np.resize(tokens, (args.gen_batch_size, t))
-        rates["taps_batch"] = timed(lambda: dflash_data.block_corpus(
-            model.module, many, np.full(len(many), t), np.zeros(len(many)), layer_ids, args.gen_batch_size).features)
+    rates = tapped_data_rates(model, args, layer_ids, tokens) if need_data else {}
     graphdef, trainable = nnx.split(probe.module)
     target_graphdef, frozen = nnx.split(model.module)
     decay = args.loss_decay or default_loss_decay(args.block_size)
@@ -248,18 +239,6 @@ def _calibrate(model, probe, args, need_data: bool) -> dict[str, float]:
     rates["eval_row"] = seconds / EVAL_ROWS  # anchors span at most the whole row
     jax.block_until_ready(state)
     return rates
-
-
-def _estimate(args, rates: dict[str, float], need_data: bool) -> dict[str, float]:
-    out = {}
-    if need_data:
-        out["generation"] = generation_seconds(args, rates["gen_step"])
-        rows = args.train_prompts + args.heldout_prompts + args.stdlib_windows
-        out["target taps"] = -(-rows // args.gen_batch_size) * rates["taps_batch"]
-    out["training"] = args.steps * rates["train_step"]
-    evaluations = args.steps // args.eval_every + 2  # before the first step, every --eval-every, after the last
-    out["held-out evaluations"] = evaluations * args.heldout_prompts * rates["eval_row"]
-    return out
 
 
 if __name__ == "__main__":

@@ -39,8 +39,7 @@ import sys
 import time
 
 from .train_common import (add_data_flags, build_tapped_corpora, check_data_flags, data_folder, data_recipe,
-                           default_workdir, generation_seconds, generation_step_seconds, peak_memory_gb, timed,
-                           workdir_path)
+                           default_workdir, estimate_tapped_run, print_timing, tapped_data_rates, timed, workdir_path)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -127,7 +126,7 @@ def main(argv=None) -> int:
     data_dir, cached = _cached_corpus(workdir, _data_sources(args), recipe, data, dflash_data)
     need_data = cached is None
     rates = _calibrate(model, probe, args, need_data)
-    estimate = _estimate(args, rates, need_data)
+    estimate = estimate_tapped_run(args, rates, need_data)
     rows = args.train_prompts + args.stdlib_windows
     corpus_gb = dflash_data.corpus_bytes(rows + args.heldout_prompts, args.seq_len, model.config.hidden_size,
                                          len(layer_ids)) / 1e9
@@ -136,10 +135,7 @@ def main(argv=None) -> int:
           f"{args.stdlib_windows} stdlib windows of {args.seq_len} tokens ({corpus_gb:.2f} GB of data, at most"
           + (f", cached in {data_dir}" if cached else "") + f"); {args.steps} steps of {args.batch_size} rows x "
           f"{args.ttt_steps} TTT steps")
-    print("measured here: " + ", ".join(f"{k} {v:.3g} s" for k, v in rates.items())
-          + f"; peak memory so far (the target and one train step) {peak_memory_gb():.1f} GB")
-    print("estimated time on this machine: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in estimate.items())
-          + f"; total {sum(estimate.values()) / 60:.0f} min", flush=True)
+    print_timing(rates, estimate)
     if args.estimate_only:
         return 0
 
@@ -225,7 +221,6 @@ def _calibrate(model, probe, args, need_data: bool) -> dict[str, float]:
     import numpy as np
     from flax import nnx
 
-    from jaxspec.train import dflash_data
     from jaxspec.train.eagle3_loop import EVAL_ROWS
     from jaxspec.train.loop import committed
     from jaxspec.train.step import (OptimConfig, make_optimizer, make_ttt_drafts, make_ttt_eval_loss,
@@ -235,12 +230,7 @@ def _calibrate(model, probe, args, need_data: bool) -> dict[str, float]:
     layer_ids = probe.config.layer_ids(model.config.num_layers)
     b, t, d, vocab = args.batch_size, args.seq_len, model.config.hidden_size, model.config.vocab_size
     tokens = rng.integers(0, vocab, (b, t)).astype(np.int32)
-    rates = {}
-    if need_data:
-        rates["gen_step"] = generation_step_seconds(model.module, args.gen_batch_size, args.seq_len)
-        many = np.resize(tokens, (args.gen_batch_size, t))
-        rates["taps_batch"] = timed(lambda: dflash_data.block_corpus(
-            model.module, many, np.full(len(many), t), np.zeros(len(many)), layer_ids, args.gen_batch_size).features)
+    rates = tapped_data_rates(model, args, layer_ids, tokens) if need_data else {}
     graphdef, trainable, head_frozen = split_head(probe.module)
     target_graphdef, target_state = nnx.split(model.module)
     optim = OptimConfig()
@@ -266,18 +256,6 @@ def _calibrate(model, probe, args, need_data: bool) -> dict[str, float]:
     rates["eval_row"] = seconds / EVAL_ROWS
     jax.block_until_ready(state)
     return rates
-
-
-def _estimate(args, rates: dict[str, float], need_data: bool) -> dict[str, float]:
-    out = {}
-    if need_data:
-        out["generation"] = generation_seconds(args, rates["gen_step"])
-        rows = args.train_prompts + args.heldout_prompts + args.stdlib_windows
-        out["target taps"] = -(-rows // args.gen_batch_size) * rates["taps_batch"]
-    out["training"] = args.steps * rates["train_step"]
-    evaluations = args.steps // args.eval_every + 2  # before the first step, every --eval-every, after the last
-    out["held-out evaluations"] = evaluations * args.heldout_prompts * rates["eval_row"]
-    return out
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from flax import nnx
 from .dflash_data import BlockCorpus, anchor_bounds
 from .dflash_export import with_drafter_state
 from .dflash_losses import default_loss_decay, replay_layout, sample_anchors
-from .loop import Objective, Schedule, TrainResult, batch_rows, plot_history, run
+from .loop import Objective, Schedule, TrainResult, batch_rows, plot_history, rounds_postfix, run
 from .losses import acceptance_summary, simulate_greedy_rounds
 from .step import OptimConfig, make_block_drafts, make_block_eval_loss, make_block_train_step, make_optimizer
 
@@ -70,7 +70,7 @@ def train_dflash(drafter, target, corpus: BlockCorpus, heldout: BlockCorpus | No
 
     objective = Objective(step=step_fn, batch=batch, recorded=("position_loss", "position_top1"),
                           evaluate=_evaluator(graphdef, target_graphdef, drafter.config.block_size, cfg, heldout),
-                          postfix=_postfix)
+                          postfix=rounds_postfix)
     schedule = Schedule(cfg.steps, cfg.eval_every, cfg.checkpoint_every, cfg.keep_checkpoints)
     trainable, history = run(objective, trainable, frozen, make_optimizer(cfg.optim), schedule,
                              _settings(cfg, drafter.config, corpus), workdir, progress, stop_at)
@@ -132,14 +132,6 @@ def _arrays(rows: BlockCorpus, anchors: np.ndarray, valid: np.ndarray) -> tuple:
     """(tokens, lengths, features, hidden, anchors, valid) on the device, as the step and the held-out loss take
     them."""
     return tuple(jnp.asarray(x) for x in (rows.tokens, rows.lengths, rows.features, rows.hidden, anchors, valid))
-
-
-def _postfix(history: dict) -> dict[str, str]:
-    out = {"loss": f"{np.mean(history['loss'][-20:]):.3f}"}
-    if history["evals"]:
-        acceptance = history["evals"][-1]["acceptance"]
-        out["heldout_tokens_per_round"] = f"{acceptance[str(len(acceptance))]['tokens_per_round']:.2f}"
-    return out
 
 
 def _evaluator(graphdef, target_graphdef, block_size: int, cfg: DFlashTrainConfig, heldout: BlockCorpus | None):

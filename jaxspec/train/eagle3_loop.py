@@ -30,7 +30,7 @@ from .dflash_data import BlockCorpus
 from .dflash_export import with_drafter_state
 from .eagle3_export import check_head_layers
 from .eagle3_losses import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, replay_layout
-from .loop import Objective, Schedule, TrainResult, batch_rows, plot_history, run
+from .loop import Objective, Schedule, TrainResult, batch_rows, plot_history, rounds_postfix, run
 from .losses import acceptance_summary, simulate_greedy_rounds
 from .step import OptimConfig, make_optimizer, make_ttt_drafts, make_ttt_eval_loss, make_ttt_train_step, split_head
 
@@ -71,7 +71,7 @@ def train_eagle3(head, target, corpus: BlockCorpus, heldout: BlockCorpus | None,
         return _arrays(rows), rows.num_tokens
 
     objective = Objective(step=step_fn, batch=batch, recorded=("step_loss", "step_top1"),
-                          evaluate=_evaluator(graphdef, target_graphdef, cfg, heldout), postfix=_postfix)
+                          evaluate=_evaluator(graphdef, target_graphdef, cfg, heldout), postfix=rounds_postfix)
     schedule = Schedule(cfg.steps, cfg.eval_every, cfg.checkpoint_every, cfg.keep_checkpoints)
     trainable, history = run(objective, trainable, (head_frozen, target_state), make_optimizer(cfg.optim), schedule,
                              _settings(cfg, head, corpus), workdir, progress, stop_at)
@@ -131,14 +131,6 @@ def _settings(cfg: Eagle3TrainConfig, head, corpus: BlockCorpus) -> dict[str, An
 def _arrays(rows: BlockCorpus) -> tuple:
     """(tokens, lengths, starts, features, hidden) on the device, as the step and the held-out loss take them."""
     return tuple(jnp.asarray(x) for x in (rows.tokens, rows.lengths, rows.starts, rows.features, rows.hidden))
-
-
-def _postfix(history: dict) -> dict[str, str]:
-    out = {"loss": f"{np.mean(history['loss'][-20:]):.3f}"}
-    if history["evals"]:
-        acceptance = history["evals"][-1]["acceptance"]
-        out["heldout_tokens_per_round"] = f"{acceptance[str(len(acceptance))]['tokens_per_round']:.2f}"
-    return out
 
 
 def _evaluator(graphdef, target_graphdef, cfg: Eagle3TrainConfig, heldout: BlockCorpus | None):

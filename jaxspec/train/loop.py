@@ -188,6 +188,16 @@ def _record(history: dict, step: int, tokens: int, metrics: dict, recorded: tupl
         history[name].append([float(x) for x in metrics[name]])
 
 
+def rounds_postfix(history: dict) -> dict[str, str]:
+    """The progress bar's figures for a drafter evaluated by tokens per round (DFlash, EAGLE-3): the recent loss and
+    the last held-out evaluation's tokens per round at its longest draft length."""
+    out = {"loss": f"{np.mean(history['loss'][-20:]):.3f}"}
+    if history["evals"]:
+        acceptance = history["evals"][-1]["acceptance"]
+        out["heldout_tokens_per_round"] = f"{acceptance[str(len(acceptance))]['tokens_per_round']:.2f}"
+    return out
+
+
 def _postfix(history: dict) -> dict[str, str]:
     recent = history["loss"][-20:]
     out = {"loss": f"{np.mean(recent):.3f}"}
