@@ -116,12 +116,13 @@ def price_schedule(drafter, target: Model, assistant: Model | None, batch: int =
     if chosen == "default" or not measurable(*models):
         return drafter
     remeasure = chosen == "remeasure"
-    measured = tuple(sorted({1, 2, max(schedule.widths)}))  # widths always hold 1 and K + 1 >= 2
+    entries = schedule.entry_widths  # a tree's depth d verifies F d + 1 entries
+    measured = tuple(sorted({1, 2, max(entries)}))  # widths always hold 1 and K + 1 >= 2
     rows = cost_batch(batch)
     target_ms = forward_milliseconds(target, measured, batch=rows, remeasure=remeasure)
     # A wider block holds a narrower one's work and more, so it never costs less: a measurement that says otherwise
     # met a busier machine for the narrower block, and is raised to it rather than stored as a bargain.
-    relative = np.maximum.accumulate([interpolate(target_ms, w) / target_ms[1] for w in schedule.widths])
+    relative = np.maximum.accumulate([interpolate(target_ms, w) / target_ms[1] for w in entries])
     verify_costs = tuple(round(float(cost), 2) for cost in relative)
     draft_cost, round_cost = schedule.draft_cost, schedule.round_cost
     if drafter.drafts_with_block_forward:

@@ -182,7 +182,7 @@ def _lay_out(model: Model, assistant: Model | None, prompts: PromptBatch, drafte
              mesh: Mesh | None, rules: ShardingRules, chunk: int, ensemble_weight: float | None,
              return_logits: bool) -> _Call:
     """Size the token buffer, give the drafter the prompts, shard the weights and split static from run-time."""
-    size = buffer_size(int(prompts.lengths.max()) + settings.max_new_tokens + drafter.max_draft + 1, chunk)
+    size = buffer_size(int(prompts.lengths.max()) + settings.max_new_tokens + drafter.draft_slots + 1, chunk)
     drafter = drafter.for_prompts(prompts.rows, size)
     target_graphdef, target_state = nnx.split(model.module)
     assistant_graphdef, assistant_state = nnx.split(assistant.module) if assistant is not None else (None, None)

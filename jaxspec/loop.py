@@ -25,12 +25,14 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from . import distributed, inplace
+from . import tree as tree_lib
 from .processors import Processing
 from .sampling import select
 from .schedule import verify_widths
 from .sharding import ShardingRules, constrain, named_sharding
 from .strategies.base import (Context, Counters, DecodeState, Drafter, DraftStep, PrefillChunk, RoundResult,
                              run_tapped_layers)
+from .cache import move_entries
 from .verify import verify
 
 _trace_count = 0
@@ -58,7 +60,7 @@ class LoopSpec:
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
-        return verify_widths(self.drafter.max_draft)
+        return verify_widths(self.drafter.draft_slots)
 
 
 @jax.tree_util.register_dataclass
@@ -81,6 +83,7 @@ class VerifyResult:
     hidden: jax.Array  # [B, K+1, D] the target's final-normed hidden states at [last, d_1 .. d_K]
     processed: jax.Array | None  # [B, K+1, V] processed target logits with return_logits, else None
     features: jax.Array | None  # [B, K+1, F*D] the tapped layers' outputs (Drafter.feature_layers), else None
+    drafted: jax.Array  # [B] what the schedule counts as drafted: the valid drafts of a chain, the depth of a tree
 
 
 MAX_COMPILED = 32  # a long session (a notebook, a test run) should not keep every executable alive
@@ -186,12 +189,12 @@ def _rounds(spec: LoopSpec, target_state, assistant_state, state: DecodeState, i
     _trace_count += 1
     ctx = _context(spec, target_state, assistant_state, inputs)
     size = state.tokens.shape[1]
-    k = spec.drafter.max_draft
+    k = spec.drafter.draft_slots
 
     def cond(carry):
         state, rounds_run = carry
         some_row_running = ~jnp.all(state.done)  # every row hit EOS or its budget
-        # Cache full: by construction (buffer >= prompt + budget + K + 1) this never fires; it guards the buffer
+        # Cache full: by construction (buffer >= prompt + budget + K + 1, N + 1 for a tree) this never fires; it guards the buffer
         # bounds should that invariant ever be broken.
         room_left = jnp.all(state.done | (state.lengths + k < size))
         within_dispatch = rounds_run < max_rounds  # a caller streaming output asked for control back
@@ -209,7 +212,7 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
     drafter, k = spec.drafter, spec.drafter.max_draft
     rng, draft_rng, verify_rng = jax.random.split(state.rng, 3)
     step = drafter.draft(ctx, state, state.drafter, draft_rng)
-    count = jnp.where(state.done, 0, jnp.minimum(step.draft.count, k))  # [B]
+    count = jnp.where(state.done, 0, jnp.minimum(step.draft.count, drafter.draft_slots))  # [B] drafts (tree: nodes)
     checked, cache = _verify_round(spec, ctx, state, step, count, verify_rng)
     n, verified = checked.accepted, checked.tokens
 
@@ -227,7 +230,7 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
                           scores.shape[1])
         scores = scores.at[rows[:, None], slots].set(checked.processed, mode="drop")
 
-    result = RoundResult(drafted=count, accepted=n, committed=committed, tokens=verified, hidden=checked.hidden,
+    result = RoundResult(drafted=checked.drafted, accepted=n, committed=committed, tokens=verified, hidden=checked.hidden,
                          lengths=lengths, features=checked.features)
     drafter_state = drafter.update(ctx, step.state, result)
     active = ~state.done
@@ -238,7 +241,7 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
         drafted=c.drafted + jnp.where(active, count, 0),
         accepted=c.accepted + jnp.where(active, n, 0),
         accepted_hist=c.accepted_hist + (active[:, None] & (jnp.arange(k + 1)[None, :] == n[:, None])),
-        priced_steps=c.priced_steps + _priced_round(drafter, count),
+        priced_steps=c.priced_steps + _priced_round(drafter, jnp.where(state.done, 0, checked.drafted)),
     )
     return dataclasses.replace(state, tokens=tokens, lengths=lengths, done=done, cache=cache, drafter=drafter_state,
                                rng=rng, counters=counters, scores=scores)
@@ -270,7 +273,7 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftS
         verified = jnp.zeros((batch, k + 1), jnp.int32).at[:, 0].set(token)
         kept = to_k1(processed) if spec.return_logits else None
         return out.cache, VerifyResult(jnp.zeros((batch,), jnp.int32), verified, to_k1(out.hidden), kept,
-                                       _maybe(to_k1, out.features))
+                                       _maybe(to_k1, out.features), drafted=jnp.zeros((batch,), jnp.int32))
 
     if k == 0:
         cache, checked = plain_step(step.target_cache)
@@ -288,16 +291,60 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftS
         probs = None if draft.probs is None else draft.probs[:, : width - 1]
         n, verified = verify(rng, processed, drafts, count, probs, spec.do_sample, spec.ensemble_weight)
         kept = to_k1(processed) if spec.return_logits else None
-        return out.cache, VerifyResult(n, to_k1(verified), to_k1(out.hidden), kept, _maybe(to_k1, out.features))
+        return out.cache, VerifyResult(n, to_k1(verified), to_k1(out.hidden), kept, _maybe(to_k1, out.features),
+                                       drafted=count)
+
+    def verify_tree_block(width: int, cache):
+        """The first W-1 nodes (every row's count is at most W-1) as one tree-shaped block; the accepted path's
+        entries then move to consecutive slots (jaxspec/tree.py), so the row's cache is a chain's again."""
+        tree = draft.tree.truncated(width - 1)
+        depth = min(k, width - 1)  # no path through W-1 nodes is deeper
+        block, positions = tree_lib.tree_block(tree, state.lengths - 1)
+        entries = jnp.concatenate([state.last_token[:, None], tree.tokens], axis=1)  # [B, W]
+        out = drafter.target_forward(ctx, entries, positions, cache, drafter_state, tree=block)
+        processed = _process_tree(ctx, out.logits, state, tree, depth)  # [B, W, V]
+        verdict = tree_lib.verify_tree(rng, processed, tree, depth, spec.drafter.tree.branching, spec.do_sample)
+        sources = tree_lib.path_sources(verdict, width)  # [B, W]
+        cache = jax.tree.map(lambda x: move_entries(x, block.start, sources), out.cache)
+        along_path = sources[:, :depth + 1]  # [B, depth+1]: the block entries the committed tokens came from
+
+        def path_k1(x):  # [B, W, ...] -> [B, K+1, ...] along the accepted path
+            index = along_path.reshape(along_path.shape + (1,) * (x.ndim - 2))
+            return to_k1(jnp.take_along_axis(x, index, axis=1))
+
+        depths = jnp.where(tree.valid, tree.depths(), 0)
+        kept = path_k1(processed) if spec.return_logits else None
+        return cache, VerifyResult(verdict.accepted, to_k1(verdict.tokens), path_k1(out.hidden), kept,
+                                   _maybe(path_k1, out.features), drafted=jnp.max(depths, axis=1))
 
     def drafted_step(cache):
         wide = [w for w in spec.verify_widths if w > 1]
         index = jnp.searchsorted(jnp.asarray(wide), jnp.max(count) + 1)
-        return inplace.switch(index, [functools.partial(verify_block, w) for w in wide], cache)
+        block = verify_block if spec.drafter.tree is None else verify_tree_block
+        return inplace.switch(index, [functools.partial(block, w) for w in wide], cache)
 
     # The cache is the only state the branches update (in place: see jaxspec.inplace).
     cache, checked = inplace.cond(jnp.max(count) > 0, drafted_step, plain_step, step.target_cache)
     return checked, cache
+
+
+def _process_tree(ctx: Context, logits: jax.Array, state: DecodeState, tree: tree_lib.DraftTree,
+                  depth: int) -> jax.Array:
+    """Processed logits of a tree-shaped block [B, W, V]: each entry with its own history, the committed tokens and
+    then its path's (entry 0, the root, has none). Processors read a token buffer and a prefix length, so every
+    entry gets its own buffer row and is processed as a block of one."""
+    batch, width, vocab = logits.shape
+    paths = jnp.concatenate([jnp.zeros((batch, 1, depth), jnp.int32), tree.paths(depth)], axis=1)  # [B, W, depth]
+    depths = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), tree.depths()], axis=1)  # [B, W]
+    rows = jnp.arange(batch)[:, None, None]
+    entries = jnp.arange(width)[None, :, None]
+    positions = state.lengths[:, None, None] + jnp.arange(depth)[None, None, :]  # [B, 1, depth]
+    histories = jnp.broadcast_to(state.tokens[:, None, :], (batch, width, state.tokens.shape[1]))
+    histories = histories.at[rows, entries, positions].set(paths, mode="drop")  # past an entry's depth: never read
+    flat = lambda x: x.reshape((batch * width,) + x.shape[2:])  # noqa: E731
+    processed = ctx.process(flat(logits)[:, None], flat(histories), flat(state.lengths[:, None] + depths),
+                            jnp.repeat(state.prompt_lengths, width))
+    return processed.reshape(batch, width, vocab)
 
 
 def _priced_round(drafter: Drafter, count) -> jax.Array:

@@ -34,6 +34,8 @@ class CausalLM(Protocol):
     cfg: Any  # the family's frozen config (reads: vocab_size, hidden_size, num_layers, tie_word_embeddings, ...)
     dtype: Any  # the param and activation dtype (float32 on CPU, bfloat16 on accelerators)
     embed: Any  # nnx.Param [V, D], the token embedding (jaxspec/head.py copies it as the tied head [D, V])
+    # Families whose forward takes `tree=` also have a class attribute `tree_attention = True`, read before compiling
+    # so that `tree=` on another family is refused by name up front (not a member here: most families lack it).
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache,
                  head: jax.Array | None = None, tree: Any = None) -> tuple[jax.Array, jax.Array, Cache]:

@@ -86,6 +86,9 @@ class Schedule:
     # The cost of any round that drafts at all, however many drafts it verifies, in plain steps: a block drafter
     # (DFlash) drafts its whole block in one forward.
     round_cost: float = 0.0
+    # Verify-block entries per draft: 1 for a chain; a tree that keeps F candidates at each depth verifies F per
+    # depth, so its "drafts" are depths and width w's cost is that of a block of F (w - 1) + 1 entries.
+    entries_per_draft: int = 1
 
     PRIOR_ACCEPTANCE = 0.6  # before any evidence, a row assumes this acceptance ...
     PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
@@ -109,6 +112,11 @@ class Schedule:
             return 1
         probe_cost = self.verify_costs[self.widths.index(2)] - 1 + self.draft_cost + self.round_cost
         return max(1, math.ceil(probe_cost / self.PROBE_UNIT - 1e-9))
+
+    @property
+    def entry_widths(self) -> tuple[int, ...]:
+        """The verify block's entries at each of `widths` (they are the widths themselves for a chain)."""
+        return tuple(self.entries_per_draft * (w - 1) + 1 for w in self.widths)
 
     def acceptance(self, state: DraftLength) -> jax.Array:
         """[B] each row's estimated probability that a draft is accepted."""
@@ -183,11 +191,14 @@ def _all_rows(state: DraftLength) -> jax.Array:
     return jnp.ones(state.num_tokens.shape, bool)
 
 
-def make_schedule(kind: str, initial: int, max_draft: int, draft_cost: float, round_cost: float = 0.0) -> Schedule:
+def make_schedule(kind: str, initial: int, max_draft: int, draft_cost: float, round_cost: float = 0.0,
+                  entries_per_draft: int = 1) -> Schedule:
     """A schedule; the adaptive one gets the loop's verify widths, their default costs, the cost of one draft and
-    the fixed cost of a drafting round."""
+    the fixed cost of a drafting round. A tree drafter's drafts are depths, each `entries_per_draft` entries."""
     if kind != "adaptive":
         return Schedule(kind, initial=initial)
     widths = verify_widths(max_draft)
-    return Schedule(kind, initial=initial, widths=widths, verify_costs=default_verify_costs(widths),
-                    draft_cost=round(float(draft_cost), 3), round_cost=round(float(round_cost), 3))
+    entries = tuple(entries_per_draft * (w - 1) + 1 for w in widths)
+    return Schedule(kind, initial=initial, widths=widths, verify_costs=default_verify_costs(entries),
+                    draft_cost=round(float(draft_cost), 3), round_cost=round(float(round_cost), 3),
+                    entries_per_draft=entries_per_draft)

@@ -37,9 +37,48 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .sampling import sample_from_probs
+from .sampling import NEG_INF, sample_from_probs, select
 
 ROOT = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    """A drafter's static tree budget: `nodes` N below the root, at most `depth` D deep, so a verify block holds at
+    most N + 1 entries and a round commits at most D + 1 tokens. The branching bound N // D is the most children a
+    node may have (drafters that keep alternatives at every depth keep N // D per depth)."""
+
+    nodes: int
+    depth: int
+
+    def __post_init__(self):
+        for name in ("nodes", "depth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"tree {name} must be an integer >= 1, got {value!r}.")
+        if self.nodes % self.depth:
+            raise ValueError(f"tree=({self.nodes}, {self.depth}): the node budget must be a multiple of the depth "
+                             f"(N = depth x branching), e.g. ({self.depth * max(1, self.nodes // self.depth)}, "
+                             f"{self.depth}).")
+
+    @property
+    def branching(self) -> int:
+        return self.nodes // self.depth
+
+    @staticmethod
+    def parse(value) -> "TreeShape":
+        """`tree=` as generate() and the CLI take it: "N,D", (N, D) or a TreeShape."""
+        if isinstance(value, TreeShape):
+            return value
+        if isinstance(value, str):
+            try:
+                nodes, depth = (int(part) for part in value.split(","))
+            except ValueError:
+                raise ValueError(f"tree must be 'N,D' (node budget, depth), e.g. '12,4'; got {value!r}.") from None
+            return TreeShape(nodes, depth)
+        if isinstance(value, (tuple, list)) and len(value) == 2:
+            return TreeShape(*value)
+        raise ValueError(f"tree must be (N, D): a node budget and a depth, e.g. (12, 4); got {value!r}.")
 
 
 @jax.tree_util.register_dataclass
@@ -67,6 +106,20 @@ class DraftTree:
             depths = depths.at[:, i].set(parent_depth + 1)
         return depths
 
+    def truncated(self, nodes: int) -> "DraftTree":
+        """The first `nodes` nodes (a parent comes before its children, so they are a tree of their own)."""
+        cut = lambda x: None if x is None else x[:, :nodes]  # noqa: E731
+        return DraftTree(tokens=cut(self.tokens), parents=cut(self.parents), ranks=cut(self.ranks),
+                         count=jnp.minimum(self.count, nodes), probs=cut(self.probs))
+
+    def paths(self, depth: int) -> jax.Array:
+        """[B, N, depth] int32: the tokens on each node's path below the root, in depth order (node i's own token
+        last, at index depths[i] - 1; 0 past it): the history node i's logits are processed with."""
+        depths = self.depths()  # [B, N]
+        at_depth = depths[:, :, None] == jnp.arange(1, depth + 1)[None, None, :]  # [B, N(j), D]
+        on_path = self.ancestors()[:, :, :, None] & at_depth[:, None, :, :]  # [B, N(i), N(j), D]
+        return jnp.sum(jnp.where(on_path, self.tokens[:, None, :, None], 0), axis=2).astype(jnp.int32)
+
     def ancestors(self) -> jax.Array:
         """[B, N, N] bool: ancestors[b, i, j] when node j is node i or one of its ancestors (what node i's query may
         see of the tree in the verifying forward)."""
@@ -86,6 +139,53 @@ def chain(tokens: jax.Array, count: jax.Array, probs: jax.Array | None = None) -
     k = tokens.shape[1]
     parents = jnp.broadcast_to(jnp.arange(k) - 1, tokens.shape).astype(jnp.int32)
     return DraftTree(tokens=tokens, parents=parents, ranks=jnp.zeros_like(tokens), count=count, probs=probs)
+
+
+def sibling_tree(tokens: jax.Array, depth: jax.Array, probs: jax.Array | None = None) -> DraftTree:
+    """A chain with alternatives at every depth, from a drafter that drafts one chain and keeps F candidates per
+    step: tokens [B, D, F] (candidate 0 is the chain's token, the parent of every candidate one depth down), depth
+    [B] the depths the row drafts, probs [B, D, F, V] each candidate's law or None. Node d * F + j is candidate j at
+    depth d + 1, so the row's nodes come first and a branching-1 tree is the chain."""
+    batch, max_depth, width = tokens.shape
+    index = jnp.arange(max_depth * width)
+    level, rank = index // width, index % width
+    parents = jnp.where(level == 0, ROOT, (level - 1) * width)
+    flat = lambda x: x.reshape((batch, max_depth * width) + x.shape[3:])  # noqa: E731
+    return DraftTree(tokens=flat(tokens), parents=jnp.broadcast_to(parents, (batch, index.size)).astype(jnp.int32),
+                     ranks=jnp.broadcast_to(rank, (batch, index.size)).astype(jnp.int32),
+                     count=(depth * width).astype(jnp.int32), probs=None if probs is None else flat(probs))
+
+
+def draw_candidates(rng: jax.Array, processed: jax.Array, width: int, do_sample: bool, keep_probs: bool,
+                    law=jax.nn.softmax) -> tuple[jax.Array, jax.Array | None]:
+    """`width` distinct candidates from processed logits [B, V] -> (tokens [B, F], their laws [B, F, V] or None).
+
+    Greedy: the F best tokens. Sampling: F draws without replacement (Gumbel top-k: the top F of logits + Gumbel
+    noise are distributed as sequential draws, each from the law with the earlier ones removed and renormalised), and
+    candidate j's law is exactly that: q with candidates 0 .. j-1 removed. Where the earlier ones took all of q's
+    mass (a top-k of one), candidate j is a fixed token given them, and its law the one-hot of it. With F = 1 this
+    is `sampling.select` with the same key: a branching-1 tree drafts the chain's tokens. `law`: processed logits ->
+    the law they are drawn from (the drafter's own function, which tests replace to break exactness on purpose)."""
+    if width == 1:
+        token = select(rng, processed, do_sample)[:, None]
+        probs = law(processed)[:, None] if keep_probs else None
+        return token, probs
+    if do_sample:
+        noise = jax.random.gumbel(rng, processed.shape, jnp.float32)
+        _, tokens = jax.lax.top_k(processed + noise, width)
+    else:
+        _, tokens = jax.lax.top_k(processed, width)
+    tokens = tokens.astype(jnp.int32)
+    if not keep_probs:
+        return tokens, None
+    laws, removed = [], jnp.zeros(processed.shape, bool)
+    for j in range(width):
+        remaining = jnp.where(removed, NEG_INF, processed)
+        has_mass = jnp.any(jnp.isfinite(remaining), axis=-1, keepdims=True)
+        one_hot = jax.nn.one_hot(tokens[:, j], processed.shape[-1], dtype=jnp.float32)
+        laws.append(jnp.where(has_mass, law(jnp.where(has_mass, remaining, 0.0)), one_hot))
+        removed = removed | one_hot.astype(bool)
+    return tokens, jnp.stack(laws, axis=1)
 
 
 @jax.tree_util.register_dataclass

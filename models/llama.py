@@ -241,6 +241,8 @@ class LlamaForCausalLM(nnx.Module):
     reads every weight more than once per step (see docs/design.md, 'Architecture and the one loop').
     """
 
+    tree_attention = True  # verifies tree-shaped blocks (`tree=`; jaxspec/tree.py)
+
     def __init__(self, cfg: LlamaConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs | None = None):
         self.cfg = cfg
         self.dtype = dtype

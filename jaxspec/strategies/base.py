@@ -8,6 +8,7 @@ A strategy is a drafter: a frozen dataclass of static settings with pure functio
     update(ctx, state, result)       -> state       learn what was committed (roll caches back, adapt the length)
 
 `Draft.probs is None` means deterministic drafts (one-hot q), which is what keeps sampling exact for n-gram drafts.
+A drafter with a `tree` shape proposes a `DraftTree` (`Draft.of_tree`) of up to N nodes and D deep; its K is D.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 from ..cache import KVCache
 from ..model_interface import CausalLM
 from ..processors import History, Processing, process
+from ..tree import DraftTree, TreeBlock, TreeShape
 
 
 @jax.tree_util.register_dataclass
@@ -30,6 +32,13 @@ class Draft:
     tokens: jax.Array  # [B, K] proposed tokens; entries at or past `count` are padding
     count: jax.Array  # [B] int32, number of valid drafts per row (0 means a plain decoding step)
     probs: jax.Array | None = None  # [B, K, V] processed draft distribution q, or None for deterministic drafts
+    # A tree drafter's proposal (jaxspec/tree.py), whose tokens, count and probs are also the fields above (over its
+    # N nodes instead of K chain positions); None for a chain.
+    tree: DraftTree | None = None
+
+    @staticmethod
+    def of_tree(tree: DraftTree) -> "Draft":
+        return Draft(tokens=tree.tokens, count=tree.count, probs=tree.probs, tree=tree)
 
 
 @jax.tree_util.register_dataclass
@@ -107,7 +116,7 @@ class PrefillChunk:
 class RoundResult:
     """One verified round, per row: what was accepted and committed, and the target's view of it."""
 
-    drafted: jax.Array  # [B] valid drafts the row proposed this round
+    drafted: jax.Array  # [B] valid drafts the row proposed this round (a tree: its depth)
     accepted: jax.Array  # [B] drafts accepted by verification (before the budget / EOS crop)
     committed: jax.Array  # [B] tokens appended this round (0 for finished rows)
     tokens: jax.Array  # [B, K+1] the round's verified tokens (accepted drafts, then the target's token)
@@ -130,29 +139,36 @@ class TargetOutput:
 
 
 def run_target(target: CausalLM, tokens: jax.Array, positions: jax.Array, cache, head: jax.Array | None,
-               feature_layers: tuple[int, ...] = ()) -> TargetOutput:
-    """The target's forward over tokens [B, T], tapping `feature_layers` when a drafter reads them."""
+               feature_layers: tuple[int, ...] = (), tree: TreeBlock | None = None) -> TargetOutput:
+    """The target's forward over tokens [B, T], tapping `feature_layers` when a drafter reads them (`tree`: a
+    tree-shaped block, jaxspec/tree.py)."""
     if not feature_layers:
-        logits, hidden, cache = target(tokens, positions, cache, head=head)
+        if tree is None:  # families without tree attention keep their call signature's default
+            logits, hidden, cache = target(tokens, positions, cache, head=head)
+        else:
+            logits, hidden, cache = target(tokens, positions, cache, head=head, tree=tree)
         return TargetOutput(logits, hidden, cache)
-    x, cache, features = run_tapped_layers(target, target.embed_tokens(tokens), positions, cache, feature_layers)
+    x, cache, features = run_tapped_layers(target, target.embed_tokens(tokens), positions, cache, feature_layers,
+                                           tree=tree)
     hidden = target.final_hidden(x)
     return TargetOutput(target.logits(hidden, head), hidden, cache, features)
 
 
 def run_tapped_layers(target: CausalLM, x: jax.Array, positions: jax.Array, cache,
-                      feature_layers: tuple[int, ...]) -> tuple[jax.Array, Any, jax.Array]:
+                      feature_layers: tuple[int, ...], tree: TreeBlock | None = None
+                      ) -> tuple[jax.Array, Any, jax.Array]:
     """Every decoder layer on x (`embed_tokens` output), in segments that end at each tapped layer:
     -> (last layer's output [B, T, D], cache, the tapped layers' outputs concatenated [B, T, F*D]).
 
     Layer l's output is what transformers returns as `hidden_states[l + 1]` with `output_hidden_states=True`. The
     segments compute exactly what one run would (run_layers resumes at any layer), so taps cost no extra work."""
     taps, start = [], 0
+    extra = {} if tree is None else {"tree": tree}
     for layer in feature_layers:
-        x, cache = target.run_layers(x, positions, cache, start, layer + 1)
+        x, cache = target.run_layers(x, positions, cache, start, layer + 1, **extra)
         taps.append(x)
         start = layer + 1
-    x, cache = target.run_layers(x, positions, cache, start, None)
+    x, cache = target.run_layers(x, positions, cache, start, None, **extra)
     return x, cache, jnp.concatenate(taps, axis=-1)
 
 
@@ -181,7 +197,10 @@ class Context:
 class Drafter:
     """Base class: the k = 0 drafter (plain decoding). Subclasses override what they need."""
 
-    max_draft: int = 0  # K, the static size of every draft buffer
+    max_draft: int = 0  # K, the static size of every draft buffer (a tree drafter: its depth D)
+    # A tree's static budget (jaxspec/tree.py): the drafter proposes a DraftTree of up to tree.nodes nodes, verified
+    # in one tree-shaped forward; None: a chain of up to K drafts.
+    tree: TreeShape | None = None
     # Whether each draft costs one forward of a separate assistant model: then jaxspec/costs.py prices a draft by
     # timing that forward, instead of keeping the schedule's share-of-weights estimate.
     drafts_with_assistant_forwards = False
@@ -197,6 +216,11 @@ class Drafter:
     # Decoder layers (0-based, ascending) whose outputs the drafter reads (block and EAGLE-style drafters): the loop
     # taps them in every target forward and hands them over with the prompt's chunks and each verified round.
     feature_layers: tuple[int, ...] = ()
+
+    @property
+    def draft_slots(self) -> int:
+        """The most entries a verify block holds after the row's newest token: K for a chain, N for a tree."""
+        return self.tree.nodes if self.tree is not None else self.max_draft
 
     def runtime_inputs(self) -> dict[str, np.ndarray]:
         """Settings that enter the loop as arrays, so new values reuse the executable. A drafter reads them from
@@ -227,9 +251,10 @@ class Drafter:
         """Small per-row arrays worth returning to the caller (e.g. the adapted draft length)."""
         return {}
 
-    def target_forward(self, ctx: Context, tokens, positions, cache, state) -> TargetOutput:
-        """The verifying forward. Early exit overrides it to reuse its layers."""
-        return run_target(ctx.target, tokens, positions, cache, ctx.head, self.feature_layers)
+    def target_forward(self, ctx: Context, tokens, positions, cache, state, tree: TreeBlock | None = None
+                       ) -> TargetOutput:
+        """The verifying forward (`tree`: a tree-shaped block). Early exit overrides it to reuse its layers."""
+        return run_target(ctx.target, tokens, positions, cache, ctx.head, self.feature_layers, tree=tree)
 
 
 def room_for_drafts(loop: DecodeState) -> jax.Array:

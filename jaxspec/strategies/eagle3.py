@@ -18,6 +18,11 @@ window before any committed query reads them.
 Exact sampling: draft k is drawn from the head's processed distribution over the target's vocabulary (zero outside
 the draft vocabulary: `Eagle3Head.target_logits`), with the drafts before it in the history the processors read,
 and that distribution is q. The next entry reads the drawn token, so the drafts are a sample of the head's chain.
+
+With `tree=(N, D)` each step keeps F = N // D candidates (`jaxspec.tree.draw_candidates`: the F best, or F draws
+without replacement, each with its own law), the first continuing the chain: a tree whose alternatives at each
+depth are leaves (`jaxspec.tree.sibling_tree`). It costs no head work beyond the chain's; the window recomputed
+every round makes the head indifferent to which branch was committed.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ import numpy as np
 
 from .. import inplace
 from ..models import int8 as I
-from ..sampling import select
 from ..schedule import DraftLength, Schedule, make_schedule
+from ..tree import draw_candidates, sibling_tree
 from .base import (
     Context,
     DecodeState,
@@ -48,11 +53,13 @@ from .spec import (
     ASSISTANT_MODEL,
     NUM_ASSISTANT_TOKENS,
     NUM_ASSISTANT_TOKENS_SCHEDULE,
+    TREE,
     BuildRequest,
     Strategy,
     StrategyChoice,
     check_positive_int,
     schedule_kind,
+    tree_shape,
 )
 
 CATCH_UP_WIDTH = 32  # entries per block when the head catches its committed entries up (the prompt, idle rounds)
@@ -105,6 +112,7 @@ class Eagle3Drafter(Drafter):
 
     def draft(self, ctx: Context, loop: DecodeState, state: Eagle3State, rng: jax.Array) -> DraftStep:
         k, head = self.max_draft, ctx.assistant
+        branches = 1 if self.tree is None else self.tree.branching  # candidates kept per depth (a tree's siblings)
         batch = loop.tokens.shape[0]
         rows = jnp.arange(batch)
         count = jnp.minimum(self.schedule.allowed(state.length, ~loop.done), room_for_drafts(loop))  # [B]
@@ -113,12 +121,13 @@ class Eagle3Drafter(Drafter):
         newest = loop.lengths - 2  # [B] the newest committed entry: g at L-2, the token at L-1
 
         def draw(step: int, outputs, history, step_rng):
-            """Draft `step` (0-based, the token at L + step) from an entry's output [B, D]."""
+            """Draft `step` (0-based, the token at L + step) from an entry's output [B, D] -> (the chain's token [B],
+            the candidates kept [B, F] and their laws [B, F, V] (F = 1 for a chain), the history with the token)."""
             logits = head.target_logits(outputs)  # [B, V]
             processed = ctx.process(logits[:, None], history, loop.lengths + step, loop.prompt_lengths)[:, 0]
-            token = select(step_rng, processed, ctx.do_sample)
-            q = draft_distribution(processed) if self.keep_probs else None
-            return token, q, history.at[rows, loop.lengths + step].set(token, mode="drop")
+            tokens, q = draw_candidates(step_rng, processed, branches, ctx.do_sample, self.keep_probs,
+                                        law=draft_distribution)
+            return tokens[:, 0], (tokens, q), history.at[rows, loop.lengths + step].set(tokens[:, 0], mode="drop")
 
         def run(carry):
             cache, synced, forwards = carry
@@ -127,38 +136,41 @@ class Eagle3Drafter(Drafter):
             window = start[:, None] + jnp.arange(k + 1)[None, :]  # [B, K+1]
             out, cache = self._entries(ctx, loop, state.features, cache, window)
             rngs = jax.random.split(rng, k)
-            token, q, history = draw(0, out[:, -1], loop.tokens, rngs[0])
+            token, kept, history = draw(0, out[:, -1], loop.tokens, rngs[0])
             chain = (cache, out[:, -1:], token, history)
-            tokens, probs = [token], [q]
+            candidates = [kept]
             for step in range(1, k):  # static and small; a step runs only when some row drafts that far
 
                 def extend(chain, step=step):
                     cache, prev, token, history = chain
                     positions = (newest + step)[:, None]  # [B, 1]
                     prev, cache = head.step(_embed(ctx, token[:, None]), prev, positions, cache)
-                    token, q, history = draw(step, prev[:, -1], history, rngs[step])
-                    return (cache, prev, token, history), (token, q)
+                    token, kept, history = draw(step, prev[:, -1], history, rngs[step])
+                    return (cache, prev, token, history), kept
 
                 def stop(chain):
-                    q = jnp.zeros((batch, vocab), jnp.float32) if self.keep_probs else None
-                    return chain, (jnp.zeros((batch,), jnp.int32), q)
+                    q = jnp.zeros((batch, branches, vocab), jnp.float32) if self.keep_probs else None
+                    return chain, (jnp.zeros((batch, branches), jnp.int32), q)
 
-                chain, (token, q) = inplace.cond(jnp.max(count) > step, extend, stop, chain)
-                tokens.append(token)
-                probs.append(q)
+                chain, kept = inplace.cond(jnp.max(count) > step, extend, stop, chain)
+                candidates.append(kept)
             steps = jnp.minimum(jnp.max(count), k) - 1  # width-1 head steps run after the window
-            draft = (jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1) if self.keep_probs else None)
-            return (chain[0], loop.lengths - 1, forwards + caught_up + 1 + steps), draft
+            tokens = jnp.stack([c[0] for c in candidates], axis=1)  # [B, K, F]
+            probs = jnp.stack([c[1] for c in candidates], axis=1) if self.keep_probs else None  # [B, K, F, V]
+            return (chain[0], loop.lengths - 1, forwards + caught_up + 1 + steps), (tokens, probs)
 
         def skip(carry):
-            probs = jnp.zeros((batch, k, vocab), jnp.float32) if self.keep_probs else None
-            return carry, (jnp.zeros((batch, k), jnp.int32), probs)
+            probs = jnp.zeros((batch, k, branches, vocab), jnp.float32) if self.keep_probs else None
+            return carry, (jnp.zeros((batch, k, branches), jnp.int32), probs)
 
         carry = (state.cache, state.synced, jnp.zeros((), jnp.int32))
         (cache, synced, forwards), (tokens, probs) = inplace.cond(jnp.any(count > 0), run, skip, carry)
         state = dataclasses.replace(state, cache=cache, synced=synced)
-        return DraftStep(draft=Draft(tokens=tokens, count=count, probs=probs), state=state, forwards=forwards,
-                         target_cache=loop.cache)
+        if self.tree is not None:  # the chain with its alternatives at every depth
+            draft = Draft.of_tree(sibling_tree(tokens, count, probs))
+        else:
+            draft = Draft(tokens=tokens[:, :, 0], count=count, probs=None if probs is None else probs[:, :, 0])
+        return DraftStep(draft=draft, state=state, forwards=forwards, target_cache=loop.cache)
 
     def _entries(self, ctx: Context, loop: DecodeState, features, cache, positions):
         """The head's entries at positions [B, T] (consecutive per row) from stored g and the committed tokens after
@@ -237,10 +249,14 @@ def build(request: BuildRequest) -> StrategyChoice:
     check_positive_int("num_assistant_tokens", drafts)
     kind = schedule_kind(request.options.get("num_assistant_tokens_schedule") or "adaptive", ("adaptive", "constant"),
                          "EAGLE-3")
+    tree = tree_shape(request, "EAGLE-3")
+    if tree is not None:  # the head drafts a chain as deep as the tree and keeps N // D candidates at each depth
+        drafts = tree.depth
     cost = head_draft_cost(head, target)
-    schedule = make_schedule(kind, drafts, drafts, draft_cost=cost, round_cost=cost)
+    schedule = make_schedule(kind, drafts, drafts, draft_cost=cost, round_cost=cost,
+                             entries_per_draft=tree.branching if tree else 1)
     layers = head.config.layer_ids(target.config.num_layers)
-    drafter = Eagle3Drafter(max_draft=drafts, schedule=schedule, keep_probs=request.keep_probs,
+    drafter = Eagle3Drafter(max_draft=drafts, schedule=schedule, keep_probs=request.keep_probs, tree=tree,
                             feature_layers=tuple(sorted(layers)), context_layers=tuple(layers))
     return StrategyChoice(EAGLE3, drafter, head)
 
@@ -248,7 +264,7 @@ def build(request: BuildRequest) -> StrategyChoice:
 EAGLE3 = Strategy(
     name="eagle3",
     summary="an EAGLE-3 head drafts from three of the target's layers, one token a step (--assistant PATH)",
-    options=(ASSISTANT_MODEL, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE, ASSISTANT_ENSEMBLE_WEIGHT),
+    options=(ASSISTANT_MODEL, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE, ASSISTANT_ENSEMBLE_WEIGHT, TREE),
     build=build,
     selected_by="assistant_model",
     claims=lambda request: is_eagle3_head(request.options["assistant_model"]),

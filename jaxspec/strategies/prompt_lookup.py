@@ -13,6 +13,11 @@ after misses and more after hits, and stops proposing while a row keeps missing,
 more than a one-token step on a CPU: copying then never makes text that does not copy slower than plain decoding.
 
 The drafts are deterministic (one-hot q), so verification by matching target samples keeps sampling exact.
+
+With `tree=(N, D)` the row proposes the continuations of up to F = N // D matches at once, as a trie (shared
+prefixes merge, so siblings differ): matches ranked as above (longer n-grams first, then earlier), each continuation
+start once, the first being the chain's. Every branch is a deterministic candidate, which tree verification accepts
+exactly (jaxspec/tree.py).
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..schedule import DraftLength, Schedule, make_schedule
+from ..tree import ROOT, DraftTree
 from .base import Context, DecodeState, Draft, Drafter, DraftStep, RoundResult, room_for_drafts
-from .spec import (NUM_ASSISTANT_TOKENS_SCHEDULE, BuildRequest, Option, Strategy, StrategyChoice, check_positive_int,
-                   schedule_kind)
+from .spec import (NUM_ASSISTANT_TOKENS_SCHEDULE, TREE, BuildRequest, Option, Strategy, StrategyChoice,
+                   check_positive_int, schedule_kind, tree_shape)
 
 
 def find_continuation(tokens: jax.Array, length: jax.Array, max_ngram: int,
@@ -50,6 +56,55 @@ def find_continuation(tokens: jax.Array, length: jax.Array, max_ngram: int,
     return best, found
 
 
+def find_continuations(tokens: jax.Array, length: jax.Array, max_ngram: int, min_ngram: int,
+                       count: int) -> tuple[jax.Array, jax.Array]:
+    """One row: the starts of up to `count` continuations to copy -> (starts [M], found [M]), best first: longer
+    n-grams first, earlier matches first, each continuation start once (a match of n tokens at j and one of n - 1 at
+    j + 1 continue alike). The first is `find_continuation`'s."""
+    size = tokens.shape[0]
+    starts = jnp.arange(size)
+    never = jnp.iinfo(jnp.int32).max
+    priority = jnp.full((size,), never, jnp.int32)  # by continuation start: the best match's rank, smaller is better
+    for n in range(max_ngram, min_ngram - 1, -1):
+        matches = (starts + n < length) & (n <= length - 1)
+        for m in range(n):
+            matches &= jnp.roll(tokens, -m) == tokens[length - n + m]
+        rank = (max_ngram - n) * size + starts
+        priority = priority.at[jnp.where(matches, starts + n, size)].min(rank, mode="drop")
+    best, order = jax.lax.top_k(-priority, count)
+    return order.astype(jnp.int32), best > -never
+
+
+def continuation_trie(candidates: jax.Array, lengths: jax.Array) -> DraftTree:
+    """Candidates [B, M, D] (the first lengths [B, M] tokens of each valid) -> their trie as a DraftTree of M * D
+    nodes: candidate m's token at depth d is a node unless an earlier candidate has the same first d + 1 tokens, whose
+    node it then shares. In candidate-major order a node's parent comes before it, and stays before it once the
+    nodes are packed to the front; siblings are ranked by candidate."""
+    batch, m, depth = candidates.shape
+    exists = jnp.arange(depth)[None, None, :] < lengths[:, :, None]  # [B, M, D]
+    same_prefix = jnp.cumprod(candidates[:, :, None, :] == candidates[:, None, :, :], axis=-1) > 0  # [B, M, M', D]
+    same_prefix &= exists[:, :, None, :] & exists[:, None, :, :]
+    owner = jnp.argmax(same_prefix, axis=2)  # [B, M, D] the first candidate with this prefix (itself if none earlier)
+    is_node = exists & (owner == jnp.arange(m)[None, :, None])
+    flat = lambda x: x.reshape(batch, m * depth)  # noqa: E731
+    packed = jnp.cumsum(flat(is_node), axis=1) - 1  # [B, M*D] each node's index once packed
+    nodes = m * depth
+    target = jnp.where(flat(is_node), packed, nodes)  # non-nodes are dropped
+    # The parent of (m, d) is the node of the candidate owning its first d tokens, at depth d - 1.
+    parent_flat = jnp.roll(owner, 1, axis=2) * depth + jnp.arange(depth)[None, None, :] - 1  # [B, M, D]
+    parent = jnp.where(jnp.arange(depth)[None, None, :] == 0, ROOT,
+                       jnp.take_along_axis(packed, jnp.maximum(flat(parent_flat), 0), axis=1).reshape(parent_flat.shape))
+    rows = jnp.arange(batch)[:, None]
+    tokens = jnp.zeros((batch, nodes), jnp.int32).at[rows, target].set(flat(candidates), mode="drop")
+    parents = jnp.full((batch, nodes), ROOT, jnp.int32).at[rows, target].set(flat(parent), mode="drop")
+    count = jnp.sum(is_node, axis=(1, 2)).astype(jnp.int32)
+    valid = jnp.arange(nodes)[None, :] < count[:, None]
+    earlier_sibling = (parents[:, None, :] == parents[:, :, None]) & valid[:, None, :] & (
+        jnp.arange(nodes)[None, None, :] < jnp.arange(nodes)[None, :, None])  # [B, i, j]: j < i shares i's parent
+    ranks = jnp.sum(earlier_sibling, axis=2).astype(jnp.int32)
+    return DraftTree(tokens=tokens, parents=parents, ranks=ranks, count=count)
+
+
 @dataclasses.dataclass(frozen=True)
 class PromptLookupDrafter(Drafter):
     max_ngram: int = 2
@@ -63,6 +118,8 @@ class PromptLookupDrafter(Drafter):
         return self.schedule.init(batch, ctx.draft_inputs["initial_draft_length"])
 
     def draft(self, ctx: Context, loop: DecodeState, state: DraftLength, rng):
+        if self.tree is not None:
+            return self._draft_tree(ctx, loop, state)
         k = self.max_draft
         start, found = jax.vmap(find_continuation, in_axes=(0, 0, None, None))(loop.tokens, loop.lengths,
                                                                              self.max_ngram, self.min_ngram)
@@ -74,6 +131,22 @@ class PromptLookupDrafter(Drafter):
         # Drafts past the row's budget could never be committed: do not pay to verify them.
         count = jnp.minimum(count, jnp.minimum(self.schedule.allowed(state, ~loop.done), room_for_drafts(loop)))
         return DraftStep(draft=Draft(tokens=tokens, count=count), state=state, forwards=jnp.zeros((), jnp.int32),
+                         target_cache=loop.cache)
+
+    def _draft_tree(self, ctx: Context, loop: DecodeState, state: DraftLength) -> DraftStep:
+        """The continuations of the row's best F matches, D tokens deep at most, as a trie."""
+        depth, branches = self.max_draft, self.tree.branching
+        starts, found = jax.vmap(find_continuations, in_axes=(0, 0, None, None, None))(
+            loop.tokens, loop.lengths, self.max_ngram, self.min_ngram, branches)  # [B, F]
+        offsets = starts[:, :, None] + jnp.arange(depth)[None, None, :]  # [B, F, D]
+        size = loop.tokens.shape[1]
+        candidates = jnp.take_along_axis(loop.tokens[:, None, :], jnp.minimum(offsets, size - 1), axis=2)
+        valid = found[:, :, None] & (offsets < loop.lengths[:, None, None])
+        valid &= jnp.cumsum(ctx.is_eos(candidates), axis=2) == 0
+        lengths = jnp.sum(jnp.cumprod(valid, axis=2), axis=2)  # [B, F]
+        allowed = jnp.minimum(self.schedule.allowed(state, ~loop.done), room_for_drafts(loop))  # [B] depth
+        tree = continuation_trie(candidates, jnp.minimum(lengths, allowed[:, None]).astype(jnp.int32))
+        return DraftStep(draft=Draft.of_tree(tree), state=state, forwards=jnp.zeros((), jnp.int32),
                          target_cache=loop.cache)
 
     def update(self, ctx: Context, state: DraftLength, result: RoundResult) -> DraftLength:
@@ -99,8 +172,12 @@ def build(request: BuildRequest) -> StrategyChoice:
         raise ValueError(f"min_matching_ngram_size ({shortest}) exceeds max_matching_ngram_size ({ngram}).")
     kind = schedule_kind(request.options.get("num_assistant_tokens_schedule") or "adaptive", ("adaptive", "constant"),
                          "prompt lookup")
-    drafter = PromptLookupDrafter(max_draft=k, max_ngram=ngram, min_ngram=shortest,
-                                  schedule=make_schedule(kind, k, k, draft_cost=0.0))
+    tree = tree_shape(request, "prompt lookup")
+    if tree is not None:  # the tree's depth is the most tokens a branch copies
+        k = tree.depth
+    drafter = PromptLookupDrafter(max_draft=k, max_ngram=ngram, min_ngram=shortest, tree=tree,
+                                  schedule=make_schedule(kind, k, k, draft_cost=0.0,
+                                                         entries_per_draft=tree.branching if tree else 1))
     return StrategyChoice(PROMPT_LOOKUP, drafter)
 
 
@@ -109,6 +186,6 @@ PROMPT_LOOKUP = Strategy(
     summary="copy the continuation of an n-gram match in the prompt and output so far",
     selected_by="prompt_lookup_num_tokens",
     options=(PROMPT_LOOKUP_NUM_TOKENS, MAX_MATCHING_NGRAM_SIZE, MIN_MATCHING_NGRAM_SIZE,
-             NUM_ASSISTANT_TOKENS_SCHEDULE),
+             NUM_ASSISTANT_TOKENS_SCHEDULE, TREE),
     build=build,
 )

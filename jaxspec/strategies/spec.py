@@ -15,6 +15,7 @@ import jax
 
 from ..prompts import power_of_two_setting
 from ..schedule import SCHEDULES, Schedule, make_schedule
+from ..tree import TreeShape
 from .base import Drafter
 
 
@@ -88,6 +89,26 @@ class Strategy:
     @property
     def option_names(self) -> frozenset[str]:
         return frozenset(option.name for option in self.options)
+
+
+TREE = Option("tree", "draft a tree of N nodes at most D deep, verified in one forward ('N,D'; default: a chain)",
+              type=str)
+
+
+def tree_shape(request: BuildRequest, where: str) -> TreeShape | None:
+    """The call's `tree=` as a TreeShape, or None for a chain; refused where verification cannot take a tree."""
+    value = request.options.get("tree")
+    if value is None:
+        return None
+    shape = TreeShape.parse(value)
+    if request.options.get("assistant_ensemble_weight") is not None:
+        raise NotImplementedError("assistant_ensemble_weight verifies a chain against a mixture; tree verification "
+                                  "of the mixture is not implemented: drop tree= or the ensemble weight.")
+    if not getattr(request.model.module, "tree_attention", False):
+        raise NotImplementedError(f"tree= needs tree attention in the target's family; "
+                                  f"{type(request.model.module).__name__} does not have it yet ({where}: draft a "
+                                  f"chain, without tree=).")
+    return shape
 
 
 # ------------------------------------------------------------------------------------------------------------------

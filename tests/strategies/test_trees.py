@@ -1,0 +1,138 @@
+"""Draft trees in the compiled loop (`tree=(N, D)`; jaxspec/tree.py, loop.py `verify_tree_block`).
+
+A branching-1 tree is the chain, round for round; greedy trees equal plain greedy, batched with ragged rows; a
+hand-built tree whose second sibling is the target's token commits it every round, which also checks that the
+accepted path's cache entries were moved where a chain run would have written them (a later round that read a
+rejected sibling's entry would not reproduce plain greedy); every node is processed with its own path as history.
+Sampled trees are checked for exactness in tests/decode/test_exactness.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jaxspec
+from jaxspec import settings as settings_lib
+from jaxspec.schedule import make_schedule
+from jaxspec.strategies.base import Context, DecodeState, Draft, Drafter, DraftStep, room_for_drafts
+from jaxspec.strategies.prompt_lookup import continuation_trie, find_continuations
+from jaxspec.tree import ROOT, DraftTree, TreeShape
+from tests.fixtures import eagle3 as eagle3_fixtures
+from tests.fixtures import hf_models
+
+REPETITIVE = [[5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6], [3, 4, 5, 3, 4], [20, 21, 22, 23, 20, 21, 24, 20, 21]]
+N = 24
+CONSTANT = dict(num_assistant_tokens_schedule="constant", eos_token_id=[])
+
+
+@pytest.fixture(scope="module")
+def head(tiny_llama_dir, tmp_path_factory):
+    """A random EAGLE-3 head for the tiny Llama, sharing its embedding (as in tests/strategies/test_eagle3.py)."""
+    hf_target = hf_models.load_hf(tiny_llama_dir)
+    reference = eagle3_fixtures.reference(seed=3)
+    with torch.no_grad():
+        reference.embed_tokens.weight.copy_(hf_target.model.embed_tokens.weight)
+    return jaxspec.load(eagle3_fixtures.save(reference, tmp_path_factory.mktemp("eagle3")))
+
+
+def test_the_trie_of_several_matches_shares_prefixes_and_ranks_by_match():
+    # Candidates: [1 2 3], [1 2 4], [5 6] and [1] (a prefix of the first: no node of its own).
+    tree = continuation_trie(jnp.asarray([[[1, 2, 3], [1, 2, 4], [5, 6, 7], [1, 9, 9]]]), jnp.asarray([[3, 3, 2, 1]]))
+    assert int(tree.count[0]) == 6
+    np.testing.assert_array_equal(tree.tokens[0, :6], [1, 2, 3, 4, 5, 6])
+    np.testing.assert_array_equal(tree.parents[0, :6], [ROOT, 0, 1, 1, ROOT, 4])
+    np.testing.assert_array_equal(tree.ranks[0, :6], [0, 0, 0, 1, 1, 0])
+    # [1 2 3 1 2 4 1 2]: the bigram (1, 2) continues at 2 and at 5; the unigram 2's continuations are the same.
+    starts, found = find_continuations(jnp.asarray([1, 2, 3, 1, 2, 4, 1, 2, 0, 0]), jnp.int32(8), 2, 1, 3)
+    np.testing.assert_array_equal(starts[:2], [2, 5])
+    np.testing.assert_array_equal(found, [True, True, False])
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_branching_one_tree_is_the_chain_round_for_round(target, head, do_sample):
+    sampling = dict(do_sample=True, temperature=3.0, seed=5) if do_sample else {}
+    for strategy in (dict(prompt_lookup_num_tokens=4), dict(assistant_model=head, num_assistant_tokens=4)):
+        chain = jaxspec.generate(target, REPETITIVE, max_new_tokens=N, **strategy, **CONSTANT, **sampling)
+        tree = jaxspec.generate(target, REPETITIVE, max_new_tokens=N, **strategy, tree=(4, 4), **CONSTANT, **sampling)
+        np.testing.assert_array_equal(tree.sequences, chain.sequences)
+        np.testing.assert_array_equal(tree.accepted_hist, chain.accepted_hist)
+        np.testing.assert_array_equal(tree.drafted, chain.drafted)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "adaptive"])
+def test_greedy_trees_equal_plain_greedy_and_rows_alone(target, head, schedule):
+    plain = jaxspec.generate(target, REPETITIVE, max_new_tokens=N, eos_token_id=[])
+    for strategy in (dict(prompt_lookup_num_tokens=4), dict(assistant_model=head)):
+        kwargs = dict(max_new_tokens=N, tree=(12, 4), num_assistant_tokens_schedule=schedule, eos_token_id=[],
+                      **strategy)
+        out = jaxspec.generate(target, REPETITIVE, **kwargs)
+        np.testing.assert_array_equal(out.sequences, plain.sequences)
+        assert out.drafted.sum() > 0
+        alone = jaxspec.generate(target, REPETITIVE[2:], **kwargs)
+        np.testing.assert_array_equal(alone.new_tokens(0), out.new_tokens(2))
+
+
+@dataclasses.dataclass(frozen=True)
+class SecondSiblingDrafter(Drafter):
+    """Knows the plain greedy continuation (`future`, each row's whole sequence) and proposes, at every depth, a
+    wrong token first and the right one second, the right one being the parent of the next depth."""
+
+    future: np.ndarray = dataclasses.field(default=None, compare=False)
+    schedule: object = None
+
+    def runtime_inputs(self):
+        return {"future": self.future}
+
+    def draft(self, ctx: Context, loop: DecodeState, state, rng) -> DraftStep:
+        depth, batch = self.max_draft, loop.lengths.shape[0]
+        future = ctx.draft_inputs["future"]
+        index = jnp.minimum(loop.lengths[:, None] + jnp.arange(depth)[None, :], future.shape[1] - 1)
+        right = jnp.take_along_axis(future, index, axis=1)  # [B, D]
+        wrong = (right + 1) % ctx.target.cfg.vocab_size
+        tokens = jnp.stack([wrong, right], axis=2).reshape(batch, 2 * depth)
+        level = jnp.arange(2 * depth) // 2
+        parents = jnp.where(level == 0, ROOT, 2 * (level - 1) + 1)
+        depths = jnp.minimum(depth, room_for_drafts(loop))
+        tree = DraftTree(tokens=tokens.astype(jnp.int32),
+                         parents=jnp.broadcast_to(parents, tokens.shape).astype(jnp.int32),
+                         ranks=jnp.broadcast_to(jnp.arange(2 * depth) % 2, tokens.shape).astype(jnp.int32),
+                         count=(2 * depths).astype(jnp.int32))
+        return DraftStep(draft=Draft.of_tree(tree), state=state, forwards=jnp.zeros((), jnp.int32),
+                         target_cache=loop.cache)
+
+
+@pytest.mark.parametrize("processors", [{}, dict(repetition_penalty=1.5, no_repeat_ngram_size=2)])
+def test_the_second_sibling_is_committed_and_its_path_cached_like_a_chain(target, processors):
+    """Every round accepts all D depths through second siblings, and the output is plain greedy's (with the
+    history-dependent processors, each node judged with its own path)."""
+    depth, prompts = 3, REPETITIVE
+    plain = jaxspec.generate(target, prompts, max_new_tokens=N, eos_token_id=[], **processors)
+    future = np.zeros((len(prompts), 64), np.int32)
+    for row, prompt in enumerate(prompts):
+        sequence = [*prompt, *plain.new_tokens(row).tolist()]
+        future[row, :len(sequence)] = sequence
+    drafter = SecondSiblingDrafter(max_draft=depth, tree=TreeShape(2 * depth, depth), future=future,
+                                   schedule=make_schedule("constant", depth, depth, draft_cost=0.0))
+    settings = settings_lib.resolve(target, max_new_tokens=N, eos_token_id=[], **processors)
+    out = jaxspec.generate_with_drafter(target, prompts, None, drafter, settings)
+    np.testing.assert_array_equal(out.sequences, plain.sequences)
+    # (N - 1) / (D + 1) rounds commit D + 1 tokens each; the last round drafts only what the budget leaves
+    assert out.accepted_hist[:, depth].min() == (N - 1) // (depth + 1)
+    assert out.accepted_hist[:, 0].max() == 0
+
+
+def test_tree_mistakes_are_named_before_compiling(target, tmp_path):
+    with pytest.raises(ValueError, match="multiple of the depth"):
+        jaxspec.generate(target, REPETITIVE, max_new_tokens=4, prompt_lookup_num_tokens=4, tree=(10, 4))
+    with pytest.raises(ValueError, match="N,D"):
+        jaxspec.generate(target, REPETITIVE, max_new_tokens=4, prompt_lookup_num_tokens=4, tree="12x4")
+    with pytest.raises(ValueError, match="tree"):
+        jaxspec.generate(target, REPETITIVE, max_new_tokens=4, use_mtp=True, tree=(12, 4))
+    gemma = jaxspec.load(hf_models.save_tiny("gemma3_text", tmp_path, seed=0))
+    with pytest.raises(NotImplementedError, match="tree attention"):
+        jaxspec.generate(gemma, REPETITIVE, max_new_tokens=4, prompt_lookup_num_tokens=4, tree=(12, 4))
