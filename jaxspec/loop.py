@@ -33,7 +33,7 @@ from .sharding import ShardingRules, constrain, named_sharding
 from .strategies.base import (Context, Counters, DecodeState, Drafter, DraftStep, PrefillChunk, RoundResult,
                              run_tapped_layers)
 from .cache import move_entries
-from .verify import verify
+from .verify import leading_true, verify
 
 _trace_count = 0
 
@@ -84,6 +84,7 @@ class VerifyResult:
     processed: jax.Array | None  # [B, K+1, V] processed target logits with return_logits, else None
     features: jax.Array | None  # [B, K+1, F*D] the tapped layers' outputs (Drafter.feature_layers), else None
     drafted: jax.Array  # [B] what the schedule counts as drafted: the valid drafts of a chain, the depth of a tree
+    on_chain: jax.Array  # [B] accepted drafts that are the drafter's chain (RoundResult.on_chain)
 
 
 MAX_COMPILED = 32  # a long session (a notebook, a test run) should not keep every executable alive
@@ -231,7 +232,7 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
         scores = scores.at[rows[:, None], slots].set(checked.processed, mode="drop")
 
     result = RoundResult(drafted=checked.drafted, accepted=n, committed=committed, tokens=verified, hidden=checked.hidden,
-                         lengths=lengths, features=checked.features)
+                         lengths=lengths, features=checked.features, on_chain=checked.on_chain)
     drafter_state = drafter.update(ctx, step.state, result)
     active = ~state.done
     c = state.counters
@@ -273,7 +274,8 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftS
         verified = jnp.zeros((batch, k + 1), jnp.int32).at[:, 0].set(token)
         kept = to_k1(processed) if spec.return_logits else None
         return out.cache, VerifyResult(jnp.zeros((batch,), jnp.int32), verified, to_k1(out.hidden), kept,
-                                       _maybe(to_k1, out.features), drafted=jnp.zeros((batch,), jnp.int32))
+                                       _maybe(to_k1, out.features), drafted=jnp.zeros((batch,), jnp.int32),
+                                       on_chain=jnp.zeros((batch,), jnp.int32))
 
     if k == 0:
         cache, checked = plain_step(step.target_cache)
@@ -292,7 +294,7 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftS
         n, verified = verify(rng, processed, drafts, count, probs, spec.do_sample, spec.ensemble_weight)
         kept = to_k1(processed) if spec.return_logits else None
         return out.cache, VerifyResult(n, to_k1(verified), to_k1(out.hidden), kept, _maybe(to_k1, out.features),
-                                       drafted=count)
+                                       drafted=count, on_chain=n)
 
     def verify_tree_block(width: int, cache):
         """The first W-1 nodes (every row's count is at most W-1) as one tree-shaped block; the accepted path's
@@ -314,8 +316,10 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftS
 
         depths = jnp.where(tree.valid, tree.depths(), 0)
         kept = path_k1(processed) if spec.return_logits else None
+        first_ranked = jnp.take_along_axis(tree.ranks, jnp.maximum(verdict.path, 0), axis=1) == 0  # [B, depth]
+        on_chain = leading_true(first_ranked & (jnp.arange(depth)[None, :] < verdict.accepted[:, None]))
         return cache, VerifyResult(verdict.accepted, to_k1(verdict.tokens), path_k1(out.hidden), kept,
-                                   _maybe(path_k1, out.features), drafted=jnp.max(depths, axis=1))
+                                   _maybe(path_k1, out.features), drafted=jnp.max(depths, axis=1), on_chain=on_chain)
 
     def drafted_step(cache):
         wide = [w for w in spec.verify_widths if w > 1]

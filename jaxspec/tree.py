@@ -96,16 +96,6 @@ class DraftTree:
     def valid(self) -> jax.Array:  # [B, N] bool
         return jnp.arange(self.tokens.shape[1])[None, :] < self.count[:, None]
 
-    def depths(self) -> jax.Array:
-        """[B, N] int32: 1 for the root's children, 2 for theirs, ... (a node's position is the root's + depth)."""
-        n = self.tokens.shape[1]
-        depths = jnp.zeros_like(self.parents)
-        for i in range(n):  # static: parents come first, so one pass in node order settles every depth
-            parent_depth = jnp.where(self.parents[:, i] == ROOT, 0,
-                                     jnp.take_along_axis(depths, jnp.maximum(self.parents[:, i:i + 1], 0), 1)[:, 0])
-            depths = depths.at[:, i].set(parent_depth + 1)
-        return depths
-
     def truncated(self, nodes: int) -> "DraftTree":
         """The first `nodes` nodes (a parent comes before its children, so they are a tree of their own)."""
         cut = lambda x: None if x is None else x[:, :nodes]  # noqa: E731
@@ -115,22 +105,25 @@ class DraftTree:
     def paths(self, depth: int) -> jax.Array:
         """[B, N, depth] int32: the tokens on each node's path below the root, in depth order (node i's own token
         last, at index depths[i] - 1; 0 past it): the history node i's logits are processed with."""
-        depths = self.depths()  # [B, N]
+        seen = self.ancestors()  # [B, N(i), N(j)]
+        depths = jnp.sum(seen, axis=2, dtype=jnp.int32)  # [B, N]
         at_depth = depths[:, :, None] == jnp.arange(1, depth + 1)[None, None, :]  # [B, N(j), D]
-        on_path = self.ancestors()[:, :, :, None] & at_depth[:, None, :, :]  # [B, N(i), N(j), D]
+        on_path = seen[:, :, :, None] & at_depth[:, None, :, :]  # [B, N(i), N(j), D]
         return jnp.sum(jnp.where(on_path, self.tokens[:, None, :, None], 0), axis=2).astype(jnp.int32)
+
+    def depths(self) -> jax.Array:
+        """[B, N] int32: 1 for the root's children, 2 for theirs, ... (a node's position is the root's + depth)."""
+        return jnp.sum(self.ancestors(), axis=2, dtype=jnp.int32)  # a node and its ancestors, one per depth
 
     def ancestors(self) -> jax.Array:
         """[B, N, N] bool: ancestors[b, i, j] when node j is node i or one of its ancestors (what node i's query may
-        see of the tree in the verifying forward)."""
+        see of the tree in the verifying forward). The closure of "is the parent of" by repeated squaring: after s
+        squarings it holds the ancestors up to 2^s generations up."""
         n = self.tokens.shape[1]
-        eye = jnp.broadcast_to(jnp.eye(n, dtype=bool), (self.tokens.shape[0], n, n))
-        seen = eye
-        for i in range(n):  # a node sees what its parent sees, and itself
-            parent = self.parents[:, i]
-            inherited = jnp.take_along_axis(seen, jnp.maximum(parent, 0)[:, None, None], axis=1)[:, 0]  # [B, N]
-            row = eye[:, i] | (inherited & (parent != ROOT)[:, None])
-            seen = seen.at[:, i].set(row)
+        nodes = jnp.arange(n)
+        seen = (self.parents[:, :, None] == nodes[None, None, :]) | (nodes[:, None] == nodes[None, :])[None]
+        for _ in range(max(n - 1, 1).bit_length()):
+            seen = jnp.einsum("bij,bjk->bik", seen.astype(jnp.int32), seen.astype(jnp.int32)) > 0
         return seen
 
 

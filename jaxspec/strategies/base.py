@@ -125,6 +125,10 @@ class RoundResult:
     # [B, K+1, F*D] the tapped layers' outputs at [last, d_1 .. d_K] (padded), or None without taps. Slot j sits at
     # position lengths - committed - 1 + j; slots j < committed hold committed tokens.
     features: jax.Array | None = None
+    # [B] the accepted drafts that are the drafter's own chain, leading (all of them for a chain; a tree's path
+    # leaves the chain at the first alternative it takes): a drafter that fed its chain through its own cache keeps
+    # those entries only
+    on_chain: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass

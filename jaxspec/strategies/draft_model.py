@@ -31,9 +31,11 @@ from .. import inplace
 from ..costs import weight_bytes
 from ..sampling import select
 from ..schedule import DraftLength, Schedule
+from ..tree import sibling_tree
 from .base import Context, DecodeState, Draft, Drafter, DraftStep, RoundResult, room_for_drafts
-from .spec import (ASSISTANT_MODEL, ASSISTANT_TOKENIZER, DRAFT_LENGTH_OPTIONS, BuildRequest, Strategy, StrategyChoice,
-                   check_assistant, default_prefill_chunk, draft_length, persist_heuristic_length)
+from .spec import (ASSISTANT_MODEL, ASSISTANT_TOKENIZER, DRAFT_LENGTH_OPTIONS, TREE, BuildRequest, Strategy,
+                   StrategyChoice, check_assistant, default_prefill_chunk, draft_length, persist_heuristic_length,
+                   tree_schedule, tree_shape)
 
 # feed(carry, token[B], positions[B, 1], slot) -> (logits[B, V], carry): run the drafting network on draft `slot`
 # (1-based; it sits at position L - 1 + slot) and return its logits, which predict the next draft.
@@ -98,21 +100,28 @@ class AutoregressiveDrafter(Drafter):
             i, carry, logits, buffer, tokens, probs, active, count, feeds = state
             processed = ctx.process(logits[:, None], buffer, loop.lengths + i, loop.prompt_lengths)[:, 0]  # [B, V]
             q = jax.nn.softmax(processed, axis=-1)
-            token = select(jax.random.fold_in(rng, i), processed, ctx.do_sample)
+            key = jax.random.fold_in(rng, i)
+            token = select(key, processed, ctx.do_sample)
             confident = q[rows, token] >= ctx.draft_inputs["confidence_threshold"]
             kept = active & (confident | (i > 0) | (not self.drops_doubted_first))
             token = jnp.where(kept, token, 0)
-            tokens = tokens.at[:, i].set(token)
+            # A kept first draft under drops_doubted_first was drawn from q conditioned on being confident:
+            # verification must judge it by that distribution (q over the confident tokens, renormalised), and a
+            # tree's alternatives to it are drawn from it too, for sampling to stay exact.
+            doubting = self.drops_doubted_first & (i == 0)
+            if self.tree is None:
+                candidates = token[:, None]  # [B, 1]
+            else:
+                candidates = self._alternatives(key, processed, q, token, doubting, ctx)  # [B, F], token first
+            tokens = tokens.at[:, i].set(jnp.where(kept[:, None], candidates, 0))
             buffer = buffer.at[rows, loop.lengths + i].set(token, mode="drop")
             if probs is not None:
                 if self.drops_doubted_first:
-                    # A kept first draft was drawn from q conditioned on being confident: verification must judge
-                    # it by that distribution (q over the confident tokens, renormalised) for sampling to stay exact.
                     confident_q = jnp.where(q >= ctx.draft_inputs["confidence_threshold"], q, 0.0)
                     confident_q = confident_q / jnp.maximum(jnp.sum(confident_q, axis=-1, keepdims=True),
                                                             jnp.finfo(q.dtype).tiny)
                     q = jnp.where(i == 0, confident_q, q)
-                probs = probs.at[:, i].set(q)
+                probs = probs.at[:, i].set(_without_earlier(q, candidates))
             count = count + kept
             active = kept & confident & ~ctx.is_eos(token) & (count < limit)
             # Draft i + 1 needs draft i run through the network; skip that when no row drafts again.
@@ -129,18 +138,39 @@ class AutoregressiveDrafter(Drafter):
             i, active = state[0], state[6]
             return (i < k) & jnp.any(active)
 
-        tokens = jnp.zeros((batch, k), jnp.int32)  # [B, K]
-        probs = jnp.zeros((batch, k, first_logits.shape[-1]), jnp.float32) if self.keep_probs else None
+        branches = self.branches
+        tokens = jnp.zeros((batch, k, branches), jnp.int32)  # [B, K, F]: a chain keeps F = 1 candidate a step
+        probs = jnp.zeros((batch, k, branches, first_logits.shape[-1]), jnp.float32) if self.keep_probs else None
         state = (0, carry, first_logits, loop.tokens, tokens, probs, limit > 0, jnp.zeros_like(limit),
                  jnp.zeros((), jnp.int32))
         _, carry, _, _, tokens, probs, _, count, feeds = jax.lax.while_loop(cond, step, state)
-        return Draft(tokens=tokens, count=count, probs=probs), carry, feeds
+        return self._proposal(tokens, count, probs), carry, feeds
+
+    @property
+    def branches(self) -> int:
+        """Candidates kept per draft step: a tree's N // D alternatives at every depth, 1 for a chain."""
+        return 1 if self.tree is None else self.tree.branching
+
+    def _alternatives(self, key, processed, q, token, doubting, ctx: Context) -> jax.Array:
+        """[B, F]: the step's token, then F - 1 alternatives drawn without replacement from the law it was drawn
+        from (q, or q over the confident tokens for a doubted first draft) with it removed: the top F - 1 of those
+        logits plus fresh Gumbel noise are exactly such sequential draws (jaxspec.tree.draw_candidates). Greedy: the
+        next best tokens."""
+        law = jnp.where(doubting & (q < ctx.draft_inputs["confidence_threshold"]), -jnp.inf, processed)
+        noise = jax.random.gumbel(jax.random.fold_in(key, 1), processed.shape, jnp.float32) if ctx.do_sample else 0.0
+        ranked = (law + noise).at[jnp.arange(token.shape[0]), token].set(jnp.inf)  # the chain's token first
+        return jax.lax.top_k(ranked, self.branches)[1].astype(jnp.int32)
+
+    def _proposal(self, tokens, count, probs) -> Draft:
+        """A chain's Draft from [B, K, 1] candidates, or the tree of the chain and its alternatives."""
+        if self.tree is not None:
+            return Draft.of_tree(sibling_tree(tokens, count, probs))
+        return Draft(tokens=tokens[:, :, 0], count=count, probs=None if probs is None else probs[:, :, 0])
 
     def no_draft(self, loop: DecodeState, vocab: int) -> Draft:
-        batch = loop.lengths.shape[0]
-        probs = jnp.zeros((batch, self.max_draft, vocab), jnp.float32) if self.keep_probs else None
-        return Draft(tokens=jnp.zeros((batch, self.max_draft), jnp.int32), count=jnp.zeros((batch,), jnp.int32),
-                     probs=probs)
+        batch, k, branches = loop.lengths.shape[0], self.max_draft, self.branches
+        probs = jnp.zeros((batch, k, branches, vocab), jnp.float32) if self.keep_probs else None
+        return self._proposal(jnp.zeros((batch, k, branches), jnp.int32), jnp.zeros((batch,), jnp.int32), probs)
 
     def update_length(self, length: DraftLength, result: RoundResult) -> DraftLength:
         if self.drops_doubted_first:
@@ -184,8 +214,8 @@ class DraftModelDrafter(AutoregressiveDrafter):
 
             draft, cache, feeds = self.draft_loop(ctx, loop, limit, logits, feed, cache, rng)
             # Valid if every draft is accepted: the committed tokens, then drafts 1..count-1 (the last one is never
-            # fed). `update` lowers this to what verification accepted.
-            synced = loop.lengths + jnp.maximum(draft.count - 1, 0)
+            # fed; a tree's count is its nodes, F per drafted step). `update` lowers this to what was accepted.
+            synced = loop.lengths + jnp.maximum(draft.count // self.branches - 1, 0)
             return dataclasses.replace(state, cache=cache, synced=synced), (draft, catch_up_forwards + feeds)
 
         def skip(state: DraftModelState):
@@ -195,8 +225,10 @@ class DraftModelDrafter(AutoregressiveDrafter):
         return DraftStep(draft=draft, state=state, forwards=forwards, target_cache=loop.cache)
 
     def update(self, ctx: Context, state: DraftModelState, result: RoundResult) -> DraftModelState:
-        # The entry at the new L-1 holds a rejected draft (or nothing): only positions below it stay valid.
-        synced = jnp.minimum(state.synced, result.lengths - 1)
+        # The entry at the new L-1 holds a rejected draft (or nothing): only positions below it stay valid; after a
+        # tree's alternative was committed, only the chain's drafts before it (`on_chain`) are the row's tokens.
+        first = result.lengths - result.committed  # the round's first committed position
+        synced = jnp.minimum(state.synced, jnp.minimum(result.lengths - 1, first + result.on_chain))
         return dataclasses.replace(state, synced=synced, length=self.update_length(state.length, result))
 
     def summary(self, state: DraftModelState) -> dict[str, jax.Array]:
@@ -253,15 +285,33 @@ def assistant_settings(request: BuildRequest) -> dict:
 
 
 def build(request: BuildRequest) -> StrategyChoice:
-    return StrategyChoice(SPECULATIVE, DraftModelDrafter(**assistant_settings(request)),
-                          request.options["assistant_model"])
+    settings = assistant_settings(request)
+    tree = tree_shape(request, "speculative decoding")
+    if tree is not None:  # the assistant drafts a chain as deep as the tree, keeping N // D candidates per step
+        settings |= dict(max_draft=tree.depth, tree=tree, schedule=tree_schedule(settings["schedule"], tree))
+    return StrategyChoice(SPECULATIVE, DraftModelDrafter(**settings), request.options["assistant_model"])
 
 
 SPECULATIVE = Strategy(
     name="speculative",
     summary="a smaller assistant model with the target's tokenizer drafts (--assistant PATH)",
     selected_by="assistant_model",
-    options=(ASSISTANT_MODEL, ASSISTANT_TOKENIZER, *DRAFT_LENGTH_OPTIONS),
+    options=(ASSISTANT_MODEL, ASSISTANT_TOKENIZER, *DRAFT_LENGTH_OPTIONS, TREE),
     build=build,
     persist=persist_heuristic_length,
 )
+
+
+def _without_earlier(q: jax.Array, candidates: jax.Array) -> jax.Array:
+    """[B, V] a step's law and its candidates [B, F] -> [B, F, V]: candidate j's law, q with candidates 0 .. j-1
+    removed and renormalised (the one-hot of candidate j where they took all of q's mass)."""
+    if candidates.shape[1] == 1:
+        return q[:, None]
+    laws, removed = [], jnp.zeros(q.shape, bool)
+    for j in range(candidates.shape[1]):
+        one_hot = jax.nn.one_hot(candidates[:, j], q.shape[-1], dtype=q.dtype)
+        remaining = jnp.where(removed, 0.0, q)
+        total = jnp.sum(remaining, axis=-1, keepdims=True)
+        laws.append(jnp.where(total > jnp.finfo(q.dtype).tiny, remaining / jnp.maximum(total, 1e-30), one_hot))
+        removed = removed | one_hot.astype(bool)
+    return jnp.stack(laws, axis=1)

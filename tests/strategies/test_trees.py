@@ -53,28 +53,38 @@ def test_the_trie_of_several_matches_shares_prefixes_and_ranks_by_match():
     np.testing.assert_array_equal(found, [True, True, False])
 
 
-@pytest.mark.parametrize("do_sample", [False, True])
-def test_a_branching_one_tree_is_the_chain_round_for_round(target, head, do_sample):
+BRANCHING_ONE = {  # (strategy, sampled): the default suite runs the sampled head, whose q and keys must match too
+    "eagle3-sampled": (True, True), "eagle3-greedy": (True, False), "lookup-sampled": (False, True),
+    "lookup-greedy": (False, False)}
+
+
+@pytest.mark.parametrize("case", [case if case == "eagle3-sampled" else pytest.param(case, marks=pytest.mark.slow)
+                                  for case in BRANCHING_ONE])
+def test_a_branching_one_tree_is_the_chain_round_for_round(target, head, case):
+    with_head, do_sample = BRANCHING_ONE[case]
+    strategy = dict(assistant_model=head, num_assistant_tokens=4) if with_head else dict(prompt_lookup_num_tokens=4)
     sampling = dict(do_sample=True, temperature=3.0, seed=5) if do_sample else {}
-    for strategy in (dict(prompt_lookup_num_tokens=4), dict(assistant_model=head, num_assistant_tokens=4)):
-        chain = jaxspec.generate(target, REPETITIVE, max_new_tokens=N, **strategy, **CONSTANT, **sampling)
-        tree = jaxspec.generate(target, REPETITIVE, max_new_tokens=N, **strategy, tree=(4, 4), **CONSTANT, **sampling)
-        np.testing.assert_array_equal(tree.sequences, chain.sequences)
-        np.testing.assert_array_equal(tree.accepted_hist, chain.accepted_hist)
-        np.testing.assert_array_equal(tree.drafted, chain.drafted)
+    chain = jaxspec.generate(target, REPETITIVE, max_new_tokens=N, **strategy, **CONSTANT, **sampling)
+    tree = jaxspec.generate(target, REPETITIVE, max_new_tokens=N, **strategy, tree=(4, 4), **CONSTANT, **sampling)
+    np.testing.assert_array_equal(tree.sequences, chain.sequences)
+    np.testing.assert_array_equal(tree.accepted_hist, chain.accepted_hist)
+    np.testing.assert_array_equal(tree.drafted, chain.drafted)
+    assert chain.accepted.sum() > 0
 
 
-@pytest.mark.parametrize("schedule", ["constant", "adaptive"])
-def test_greedy_trees_equal_plain_greedy_and_rows_alone(target, head, schedule):
+@pytest.mark.parametrize("case", ["lookup-constant", pytest.param("lookup-adaptive", marks=pytest.mark.slow),
+                                  pytest.param("eagle3-constant", marks=pytest.mark.slow),
+                                  pytest.param("eagle3-adaptive", marks=pytest.mark.slow)])
+def test_greedy_trees_equal_plain_greedy_and_rows_alone(target, head, case):
+    drafter, schedule = case.split("-")
+    strategy = dict(prompt_lookup_num_tokens=4) if drafter == "lookup" else dict(assistant_model=head)
     plain = jaxspec.generate(target, REPETITIVE, max_new_tokens=N, eos_token_id=[])
-    for strategy in (dict(prompt_lookup_num_tokens=4), dict(assistant_model=head)):
-        kwargs = dict(max_new_tokens=N, tree=(12, 4), num_assistant_tokens_schedule=schedule, eos_token_id=[],
-                      **strategy)
-        out = jaxspec.generate(target, REPETITIVE, **kwargs)
-        np.testing.assert_array_equal(out.sequences, plain.sequences)
-        assert out.drafted.sum() > 0
-        alone = jaxspec.generate(target, REPETITIVE[2:], **kwargs)
-        np.testing.assert_array_equal(alone.new_tokens(0), out.new_tokens(2))
+    kwargs = dict(max_new_tokens=N, tree=(6, 3), num_assistant_tokens_schedule=schedule, eos_token_id=[], **strategy)
+    out = jaxspec.generate(target, REPETITIVE, **kwargs)
+    np.testing.assert_array_equal(out.sequences, plain.sequences)
+    assert out.drafted.sum() > 0
+    alone = jaxspec.generate(target, REPETITIVE[2:], **kwargs)
+    np.testing.assert_array_equal(alone.new_tokens(0), out.new_tokens(2))
 
 
 @dataclasses.dataclass(frozen=True)
