@@ -28,7 +28,6 @@ from . import distributed, inplace
 from . import tree as tree_lib
 from .processors import Processing
 from .sampling import select
-from .schedule import verify_widths
 from .sharding import ShardingRules, constrain, named_sharding
 from .strategies.base import (Context, Counters, DecodeState, Drafter, DraftStep, PrefillChunk, RoundResult,
                              run_tapped_layers)
@@ -60,7 +59,7 @@ class LoopSpec:
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
-        return verify_widths(self.drafter.draft_slots)
+        return self.drafter.verify_widths
 
 
 @jax.tree_util.register_dataclass

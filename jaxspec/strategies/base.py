@@ -23,6 +23,7 @@ import numpy as np
 from ..cache import KVCache
 from ..model_interface import CausalLM
 from ..processors import History, Processing, process
+from ..schedule import verify_widths
 from ..tree import DraftTree, TreeBlock, TreeShape
 
 
@@ -220,6 +221,16 @@ class Drafter:
     # Decoder layers (0-based, ascending) whose outputs the drafter reads (block and EAGLE-style drafters): the loop
     # taps them in every target forward and hands them over with the prompt's chunks and each verified round.
     feature_layers: tuple[int, ...] = ()
+
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        """The static widths of the loop's verify blocks: 1, the powers of two below K + 1, and K + 1 for a chain
+        (`schedule.verify_widths`); for a tree, the blocks of those depths with N/D entries per depth, so that the
+        schedule's price of a depth is the block the loop runs for it."""
+        widths = verify_widths(self.max_draft)
+        if self.tree is None:
+            return widths
+        return tuple(self.tree.branching * (w - 1) + 1 for w in widths)
 
     @property
     def draft_slots(self) -> int:

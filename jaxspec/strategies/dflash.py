@@ -30,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..costs import weight_bytes
-from ..sampling import select
 from ..schedule import DraftLength, Schedule, make_schedule
+from ..tree import draw_candidates, sibling_tree
 from .base import Context, DecodeState, Draft, Drafter, DraftStep, PrefillChunk, RoundResult, room_for_drafts
-from .spec import (ASSISTANT_ENSEMBLE_WEIGHT, ASSISTANT_MODEL, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE,
-                   BuildRequest, Option, Strategy, StrategyChoice, check_positive_int, schedule_kind)
+from .spec import (ASSISTANT_ENSEMBLE_WEIGHT, ASSISTANT_MODEL, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE, TREE,
+                   BuildRequest, Option, Strategy, StrategyChoice, check_positive_int, schedule_kind, tree_shape)
 
 
 @jax.tree_util.register_dataclass
@@ -69,23 +69,28 @@ class BlockDrafter(Drafter):
     def draft(self, ctx: Context, loop: DecodeState, state: BlockState, rng: jax.Array) -> DraftStep:
         limit = jnp.minimum(self.schedule.allowed(state.length, ~loop.done), room_for_drafts(loop))  # [B]
 
+        branches = 1 if self.tree is None else self.tree.branching  # candidates kept per block position
+
         def run(_):
-            return self._draft_block(ctx, loop, state.cache, limit, rng), jnp.ones((), jnp.int32)
+            return self._draft_block(ctx, loop, state.cache, rng, branches), jnp.ones((), jnp.int32)
 
         def skip(_):
-            batch = loop.lengths.shape[0]
-            probs = jnp.zeros((batch, self.max_draft, ctx.target.cfg.vocab_size), jnp.float32) \
-                if self.keep_probs else None
-            empty = Draft(tokens=jnp.zeros((batch, self.max_draft), jnp.int32), count=jnp.zeros((batch,), jnp.int32),
-                          probs=probs)
-            return empty, jnp.zeros((), jnp.int32)
+            batch, vocab = loop.lengths.shape[0], ctx.target.cfg.vocab_size
+            probs = jnp.zeros((batch, self.max_draft, branches, vocab), jnp.float32) if self.keep_probs else None
+            return (jnp.zeros((batch, self.max_draft, branches), jnp.int32), probs), jnp.zeros((), jnp.int32)
 
-        draft, forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, None)
+        (tokens, probs), forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, None)
+        count = limit.astype(jnp.int32)
+        if self.tree is not None:  # the block's drafts with their alternatives at every position, as leaves
+            draft = Draft.of_tree(sibling_tree(tokens, count, probs))
+        else:
+            draft = Draft(tokens=tokens[:, :, 0], count=count, probs=None if probs is None else probs[:, :, 0])
         return DraftStep(draft=draft, state=state, forwards=forwards, target_cache=loop.cache)
 
-    def _draft_block(self, ctx: Context, loop: DecodeState, cache, limit, rng) -> Draft:
+    def _draft_block(self, ctx: Context, loop: DecodeState, cache, rng, branches: int):
         """One drafter forward over its block [last, mask x (W-1)], then drafts 1..K, each drawn from its processed
-        distribution."""
+        distribution, with `branches` - 1 alternatives each (jaxspec.tree.draw_candidates) -> (tokens [B, K, F],
+        their laws [B, K, F, V] or None)."""
         drafter, target = ctx.assistant, ctx.target
         k, batch = self.max_draft, loop.lengths.shape[0]
         block = drafter.block_tokens(loop.last_token)  # [B, W]: the whole block, whatever K uses of it (W >= K + 1)
@@ -98,13 +103,12 @@ class BlockDrafter(Drafter):
         tokens, probs, history = [], [], loop.tokens
         for j in range(k):  # K is static and small; each draft's processing sees the drafts before it
             processed = ctx.process(logits[:, j:j + 1], history, loop.lengths + j, loop.prompt_lengths)[:, 0]
-            token = select(jax.random.fold_in(rng, j), processed, ctx.do_sample)  # [B]
-            history = history.at[rows, loop.lengths + j].set(token, mode="drop")
-            tokens.append(token)
-            if self.keep_probs:
-                probs.append(draft_distribution(processed))
-        return Draft(tokens=jnp.stack(tokens, axis=1), count=limit.astype(jnp.int32),
-                     probs=jnp.stack(probs, axis=1) if self.keep_probs else None)
+            candidates, laws = draw_candidates(jax.random.fold_in(rng, j), processed, branches, ctx.do_sample,
+                                               self.keep_probs, law=draft_distribution)  # [B, F], [B, F, V]
+            history = history.at[rows, loop.lengths + j].set(candidates[:, 0], mode="drop")
+            tokens.append(candidates)
+            probs.append(laws)
+        return jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1) if self.keep_probs else None
 
     def update(self, ctx: Context, state: BlockState, result: RoundResult) -> BlockState:
         """Write the committed tokens' context: slot j of the round sits at lengths - committed - 1 + j."""
@@ -155,8 +159,14 @@ def build(request: BuildRequest) -> StrategyChoice:
     # A block costs one drafter forward, however long it is: its weights' share of a target step where nothing is
     # measured (jaxspec/costs.py times the round's drafting work otherwise, the target's head over the drafts too).
     block_cost = weight_bytes(drafter_model.module) / weight_bytes(target.module)
-    schedule = make_schedule(kind, drafts, drafts, draft_cost=0.0, round_cost=block_cost)
-    drafter = BlockDrafter(max_draft=drafts, schedule=schedule, keep_probs=request.keep_probs,
+    tree = tree_shape(request, "DFlash")
+    if tree is not None:  # the block's first D drafts, with N // D candidates at each position
+        if tree.depth > block:
+            raise ValueError(f"tree depth {tree.depth} exceeds the DFlash drafter's block of {block} drafts.")
+        drafts = tree.depth
+    schedule = make_schedule(kind, drafts, drafts, draft_cost=0.0, round_cost=block_cost,
+                             entries_per_draft=tree.branching if tree else 1)
+    drafter = BlockDrafter(max_draft=drafts, schedule=schedule, keep_probs=request.keep_probs, tree=tree,
                            feature_layers=tuple(sorted(set(cfg.target_layer_ids))),
                            context_layers=tuple(cfg.target_layer_ids), final_layer=target.config.num_layers - 1)
     return StrategyChoice(DFLASH, drafter, drafter_model)
@@ -166,7 +176,7 @@ DFLASH = Strategy(
     name="dflash",
     summary="a DFlash drafter drafts a block from the target's hidden states in one forward (--assistant PATH)",
     options=(ASSISTANT_MODEL, SPECULATION_TYPE, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE,
-             ASSISTANT_ENSEMBLE_WEIGHT),
+             ASSISTANT_ENSEMBLE_WEIGHT, TREE),
     build=build,
     selected_by="assistant_model",
     claims=lambda request: is_block_drafter(request.options["assistant_model"]),  # a DFlash checkpoint
