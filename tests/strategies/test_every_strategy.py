@@ -3,8 +3,8 @@ exit, an assistant model (speculative) and MTP. Universal decoding and the Gemma
 
 - bfloat16 greedy output equals plain greedy: MTP and the assistant in the default suite, prompt lookup and early
   exit in the slow suite only.
-- A 2x2 (data, model) mesh gives what one device gives: all four, in the slow suite (the default suite shards
-  plain decoding on a 2x2 mesh in tests/decode/test_generate.py).
+- A 2x2 (data, model) mesh gives what one device gives: all four, and trees of prompt lookup and the assistant, in
+  the slow suite (the default suite shards plain decoding on a 2x2 mesh in tests/decode/test_generate.py).
 """
 
 from __future__ import annotations
@@ -34,14 +34,19 @@ def folders(tiny_llama_dir, tiny_llama_draft_dir, tmp_path_factory):
     return {"target": tiny_llama_dir, "draft": tiny_llama_draft_dir, "mtp": mtp}
 
 
+TREES = {"prompt_lookup_tree": "prompt_lookup", "speculative_tree": "speculative"}  # the same rows, with tree=(6, 3)
+
+
 def strategy_call(name, folders, dtype):
-    """(target, generate kwargs) of a strategy, with models loaded at `dtype`."""
+    """(target, generate kwargs) of a strategy (or a tree of TREES), with models loaded at `dtype`."""
+    tree = name in TREES
+    name = TREES.get(name, name)
     target = jaxspec.load(folders["mtp" if name == "mtp" else "target"], dtype=dtype)
     kwargs = STRATEGIES[name]
     if kwargs == "assistant":
         kwargs = dict(assistant_model=jaxspec.load(folders["draft"], dtype=dtype), num_assistant_tokens=3,
                       assistant_confidence_threshold=0.0)
-    return target, kwargs
+    return target, kwargs | (dict(tree=(6, 3)) if tree else {})
 
 
 # The default suite checks bfloat16 on the two strategies whose drafters run forwards of their own (MTP, an
@@ -56,7 +61,7 @@ def test_bfloat16_greedy_equals_plain_greedy(folders, name):
     assert out.drafted.sum() > 0
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) for name in sorted(STRATEGIES)])
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) for name in sorted(STRATEGIES | TREES)])
 def test_a_2x2_mesh_equals_one_device(folders, name):
     assert len(jax.devices()) >= 4, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))

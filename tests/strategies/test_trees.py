@@ -83,10 +83,9 @@ def test_a_branching_one_tree_is_the_chain_round_for_round(target, head, case):
     assert chain.drafted.sum() > 0 and (chain.accepted.sum() > 0 or not with_head)  # the random target copies nothing
 
 
-@pytest.mark.parametrize("case", ["lookup-constant", "assistant-constant",
-                                  *(pytest.param(case, marks=pytest.mark.slow) for case in (
-                                      "lookup-adaptive", "assistant-adaptive", "eagle3-constant", "eagle3-adaptive",
-                                      "dflash-constant", "dflash-adaptive"))])
+@pytest.mark.slow  # 20-25 s a case; the default suite runs the branching-1 and second-sibling tests through the loop
+@pytest.mark.parametrize("case", ["lookup-constant", "assistant-constant", "lookup-adaptive", "assistant-adaptive",
+                                  "eagle3-constant", "eagle3-adaptive", "dflash-constant", "dflash-adaptive"])
 def test_greedy_trees_equal_plain_greedy_and_rows_alone(target, head, dflash_drafter, tiny_llama_draft_dir, case):
     """An assistant's rounds often commit an alternative, after which its cache must keep only the chain's drafts
     before it (RoundResult.on_chain): a wrong entry kept would change its later drafts, not the output, so the test
@@ -105,6 +104,7 @@ def test_greedy_trees_equal_plain_greedy_and_rows_alone(target, head, dflash_dra
     np.testing.assert_array_equal(alone.new_tokens(0), out.new_tokens(2))
 
 
+@pytest.mark.slow  # ~22 s
 def test_an_assistant_drafting_for_itself_accepts_its_whole_chain(target):
     """The target as its own assistant: each chain token is the target's choice, so every round of a tree commits all
     D depths along the chain, as a chain does, which holds only if the assistant's cache follows the chain it fed."""
