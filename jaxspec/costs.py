@@ -124,6 +124,10 @@ def price_schedule(drafter, target: Model, assistant: Model | None, batch: int =
     # met a busier machine for the narrower block, and is raised to it rather than stored as a bargain.
     relative = np.maximum.accumulate([interpolate(target_ms, w) / target_ms[1] for w in entries])
     verify_costs = tuple(round(float(cost), 2) for cost in relative)
+    chain_costs = schedule.chain_costs
+    if schedule.branches:  # a tree schedule also prices the chain alone, at blocks of w entries
+        chain = np.maximum.accumulate([interpolate(target_ms, w) / target_ms[1] for w in schedule.widths])
+        chain_costs = tuple(round(float(cost), 2) for cost in chain)
     draft_cost, round_cost = schedule.draft_cost, schedule.round_cost
     if drafter.drafts_with_block_forward:
         block_ms = block_draft_milliseconds(target, assistant, drafter.max_draft, batch=rows, remeasure=remeasure)
@@ -140,7 +144,8 @@ def price_schedule(drafter, target: Model, assistant: Model | None, batch: int =
     elif drafter.drafts_with_mtp_steps:
         window = drafter.max_draft + 1  # each depth runs over the last K + 1 positions (jaxspec/strategies/mtp.py)
         draft_cost = round(mtp_step_milliseconds(target, window, batch=rows, remeasure=remeasure) / target_ms[1], 3)
-    priced = dataclasses.replace(schedule, verify_costs=verify_costs, draft_cost=draft_cost, round_cost=round_cost)
+    priced = dataclasses.replace(schedule, verify_costs=verify_costs, draft_cost=draft_cost, round_cost=round_cost,
+                                 chain_costs=chain_costs)
     return dataclasses.replace(drafter, schedule=priced)
 
 

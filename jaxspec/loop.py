@@ -241,7 +241,7 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
         drafted=c.drafted + jnp.where(active, count, 0),
         accepted=c.accepted + jnp.where(active, n, 0),
         accepted_hist=c.accepted_hist + (active[:, None] & (jnp.arange(k + 1)[None, :] == n[:, None])),
-        priced_steps=c.priced_steps + _priced_round(drafter, jnp.where(state.done, 0, checked.drafted)),
+        priced_steps=c.priced_steps + _priced_round(drafter, jnp.where(state.done, 0, checked.drafted), count),
     )
     return dataclasses.replace(state, tokens=tokens, lengths=lengths, done=done, cache=cache, drafter=drafter_state,
                                rng=rng, counters=counters, scores=scores)
@@ -350,7 +350,7 @@ def _process_tree(ctx: Context, logits: jax.Array, state: DecodeState, tree: tre
     return processed.reshape(batch, width, vocab)
 
 
-def _priced_round(drafter: Drafter, count) -> jax.Array:
+def _priced_round(drafter: Drafter, count, nodes=None) -> jax.Array:
     """[] what the adaptive schedule's cost model says this round cost, in plain steps, priced as the schedule
     prices a choice: the verify block of the width the round ran (`_verify_round`: the narrowest holding the
     longest draft), `draft_cost` per draft of the longest row, and the fixed cost of a drafting round. 0 for
@@ -359,7 +359,9 @@ def _priced_round(drafter: Drafter, count) -> jax.Array:
     schedule = getattr(drafter, "schedule", None)
     if schedule is None or not schedule.verify_costs:
         return jnp.zeros((), jnp.float32)
-    return schedule.round_price(jnp.max(count))
+    # A tree round that verified alternatives beside its chain (count: depths; nodes: what the block held).
+    branched = jnp.zeros((), bool) if nodes is None else jnp.max(nodes - count) > 0
+    return schedule.round_price(jnp.max(count), jnp.where(branched, schedule.entries_per_draft, 1))
 
 
 def _maybe(fn, x):

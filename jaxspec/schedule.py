@@ -32,6 +32,11 @@ class DraftLength:
     cooldown: jax.Array  # [B] adaptive: rounds until the next probe, while drafting does not pay
     accepted: jax.Array  # [B] float, adaptive: decayed count of accepted drafts (prior pseudo-counts included)
     judged: jax.Array  # [B] float, adaptive: decayed count of drafts verification judged (accepted or the rejected one)
+    # A tree drafter's chain and its alternatives: accepted / judged count the chain's drafts (RoundResult.on_chain);
+    # these count, in rounds that drafted a tree, the depths at which the chain's token or an alternative was accepted
+    # and the depths judged (adaptive, tree schedules)
+    branch_accepted: jax.Array
+    branch_judged: jax.Array
 
 
 def verify_widths(max_draft: int) -> tuple[int, ...]:
@@ -87,8 +92,11 @@ class Schedule:
     # (DFlash) drafts its whole block in one forward.
     round_cost: float = 0.0
     # Verify-block entries per draft: 1 for a chain; a tree that keeps F candidates at each depth verifies F per
-    # depth, so its "drafts" are depths and width w's cost is that of a block of F (w - 1) + 1 entries.
+    # depth, so its "drafts" are depths and width w's cost (`verify_costs`) is that of a block of F (w - 1) + 1
+    # entries. Such a schedule also prices the chain alone at each depth (`chain_costs`, blocks of w entries) and
+    # picks, each round, the depth and whether to branch.
     entries_per_draft: int = 1
+    chain_costs: tuple[float, ...] = ()
 
     PRIOR_ACCEPTANCE = 0.6  # before any evidence, a row assumes this acceptance ...
     PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
@@ -101,7 +109,8 @@ class Schedule:
         # to zero (a fixed prior would keep it above the break-even of cheap verify blocks forever).
         prior = jnp.full((batch,), self.PRIOR_WEIGHT, jnp.float32)
         return DraftLength(num_tokens=jnp.full((batch,), initial, jnp.int32), misses=zeros, cooldown=zeros,
-                           accepted=self.PRIOR_ACCEPTANCE * prior, judged=prior)
+                           accepted=self.PRIOR_ACCEPTANCE * prior, judged=prior,
+                           branch_accepted=self.PRIOR_ACCEPTANCE * prior, branch_judged=prior)
 
     @property
     def probe_spacing(self) -> int:
@@ -110,7 +119,7 @@ class Schedule:
         that idle probing stays within a few percent for any drafter."""
         if 2 not in self.widths:
             return 1
-        probe_cost = self.verify_costs[self.widths.index(2)] - 1 + self.draft_cost + self.round_cost
+        probe_cost = self._chain_costs[self.widths.index(2)] - 1 + self.draft_cost + self.round_cost
         return max(1, math.ceil(probe_cost / self.PROBE_UNIT - 1e-9))
 
     @property
@@ -118,10 +127,32 @@ class Schedule:
         """The verify block's entries at each of `widths` (they are the widths themselves for a chain)."""
         return tuple(self.entries_per_draft * (w - 1) + 1 for w in self.widths)
 
+    @property
+    def branches(self) -> bool:
+        """Whether the schedule chooses each round between a chain and a tree (an adaptive tree schedule)."""
+        return self.entries_per_draft > 1 and bool(self.chain_costs)
+
+    @property
+    def _chain_costs(self) -> tuple[float, ...]:
+        return self.chain_costs if self.branches else self.verify_costs
+
     def acceptance(self, state: DraftLength) -> jax.Array:
-        """[B] each row's estimated probability that a draft is accepted."""
+        """[B] each row's estimated probability that a draft (a tree's chain token) is accepted."""
         return state.accepted / state.judged
 
+    def branch_acceptance(self, state: DraftLength) -> jax.Array:
+        """[B] a tree schedule's estimated probability that a depth of a tree accepts its chain token or an
+        alternative."""
+        return state.branch_accepted / state.branch_judged
+
+    def branching(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
+        """[] int32: the candidates per depth a tree drafter keeps this round: the schedule's choice (1, the chain
+        alone, or entries_per_draft), or all of them where the schedule does not choose."""
+        if not self.branches or self.kind != "adaptive":
+            return jnp.asarray(self.entries_per_draft, jnp.int32)
+        active = _all_rows(state) if active is None else active
+        depth, branching = self.choice(state, active)
+        return jnp.where(depth > 0, branching, 1).astype(jnp.int32)  # a probe drafts the chain
     def allowed(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
         """[B] how many drafts each row may propose this round. `active`: [B] bool, the rows still decoding (all
         when None); the batch's choice prices their expected tokens only."""
@@ -145,22 +176,44 @@ class Schedule:
         """[] the draft length with the most expected tokens per cost over the batch's `active` rows (adaptive); 0
         when drafting does not pay."""
         active = _all_rows(state) if active is None else active
-        drafts = jnp.asarray(self.widths, jnp.float32) - 1  # [N] the drafts each width holds
+        return self.choice(state, active)[0]
+
+    def choice(self, state: DraftLength, active: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """([] depth, [] branching): the round with the most expected tokens per cost over the `active` rows.
+
+        A chain of d drafts with acceptance a commits (1 - a^(d+1)) / (1 - a) tokens on average. A tree keeps its
+        chain and F - 1 alternatives at each depth, the alternatives being leaves: its walk reaches depth i + 1 only
+        along the chain (a^i), and there accepts some candidate with the branch acceptance b, so it commits
+        1 + b (1 - a^d) / (1 - a). Each is priced at its own verify block."""
+        drafts = jnp.asarray(self.widths, jnp.float32) - 1  # [N] the drafts (depths) each width holds
         rate = jnp.clip(self.acceptance(state), 0.0, 0.999)[:, None]  # [B, 1]
-        expected = (1 - rate ** (drafts + 1)) / (1 - rate)  # [B, N] tokens a round commits to each row
-        tokens = jnp.sum(jnp.where(active[:, None], expected, 0.0), axis=0)  # [N] over the batch
-        return jnp.asarray(self.widths)[jnp.argmax(tokens / self.round_costs())] - 1
+        along_chain = (1 - rate ** drafts) / (1 - rate)  # [B, N] expected depths reached past the first
+        chain = 1 + rate * along_chain  # [B, N] tokens a round commits to each row
+        value = jnp.sum(jnp.where(active[:, None], chain, 0.0), axis=0) / self.round_costs()  # [N] over the batch
+        if not self.branches:
+            return jnp.asarray(self.widths)[jnp.argmax(value)] - 1, jnp.asarray(self.entries_per_draft, jnp.int32)
+        branch = jnp.clip(self.branch_acceptance(state), 0.0, 0.999)[:, None]
+        tree = jnp.sum(jnp.where(active[:, None], 1 + branch * along_chain, 0.0), axis=0)
+        values = jnp.stack([value, tree / self.round_costs(self.entries_per_draft)])  # [2, N]: chain, tree
+        best = jnp.argmax(values.reshape(-1))  # ties go to the chain, the cheaper to draft
+        depth = jnp.asarray(self.widths)[best % len(self.widths)] - 1
+        return depth, jnp.where(best >= len(self.widths), self.entries_per_draft, 1).astype(jnp.int32)
 
-    def round_costs(self) -> jax.Array:
-        """[N] the cost of a round at each verify width, in plain steps, holding as many drafts as it can."""
-        return self.round_price(jnp.asarray(self.widths) - 1)
+    def round_costs(self, branching: int = 1) -> jax.Array:
+        """[N] the cost of a round at each verify width, in plain steps, holding as many drafts as it can (a tree
+        schedule: the chain's, or with `branching` > 1 the tree's)."""
+        return self.round_price(jnp.asarray(self.widths) - 1, branching)
 
-    def round_price(self, drafts: jax.Array) -> jax.Array:
-        """The cost in plain steps of a round whose longest row drafts `drafts` (any shape): the verify block of the
-        narrowest width that holds them, a draft cost per draft, and the fixed cost of a drafting round."""
+    def round_price(self, drafts: jax.Array, branching: jax.Array | int = 1) -> jax.Array:
+        """The cost in plain steps of a round whose longest row drafts `drafts` (any shape; a tree: its depth): the
+        verify block of the narrowest width that holds them (a tree schedule's: the chain's, or the tree's where
+        `branching` > 1), a draft cost per draft, and the fixed cost of a drafting round."""
         width_index = jnp.searchsorted(jnp.asarray(self.widths), drafts + 1)
-        return (jnp.asarray(self.verify_costs, jnp.float32)[width_index] + self.draft_cost * drafts
-                + self.round_cost * (drafts > 0))
+        block = jnp.asarray(self._chain_costs, jnp.float32)[width_index]
+        if self.branches:
+            block = jnp.where(jnp.asarray(branching) > 1, jnp.asarray(self.verify_costs, jnp.float32)[width_index],
+                              block)
+        return block + self.draft_cost * drafts + self.round_cost * (drafts > 0)
 
     def update(self, state: DraftLength, result: RoundResult, cap: int) -> DraftLength:
         """`cap`: K, the static size of the draft buffer."""
@@ -173,18 +226,27 @@ class Schedule:
             return dataclasses.replace(state, num_tokens=jnp.where(active, jnp.minimum(grown, cap),
                                                                    state.num_tokens))
         tried = active & (result.drafted > 0)
-        judged = result.accepted + (result.accepted < result.drafted)  # the accepted ones, then the rejected one
-        accepted = jnp.where(tried, self.DECAY * state.accepted + result.accepted, state.accepted)
-        judged = jnp.where(tried, self.DECAY * state.judged + judged, state.judged)
+        # A tree's chain tokens judge the chain's acceptance: those accepted along the chain, then the one rejected.
+        on_chain = result.accepted if result.on_chain is None else result.on_chain
+        judged = on_chain + (on_chain < result.drafted)  # the accepted ones, then the rejected one
+        accepted = jnp.where(tried, self.DECAY * state.accepted + on_chain, state.accepted)
         # The round's choice, made from this same state: a round that drafted only because nothing paid was a probe,
         # for every row that drafted in it, so that the rows' cooldowns stay in step.
-        probe_round = self.paying_length(state, active) == 0
+        depth, branching = self.choice(state, active)
+        # A tree round's depths reached along the chain each accepted the chain's token or an alternative, or neither.
+        branched = tried & (depth > 0) & (branching > 1)
+        branch_accepted = jnp.where(branched, self.DECAY * state.branch_accepted + result.accepted,
+                                    state.branch_accepted)
+        branch_judged = jnp.where(branched, self.DECAY * state.branch_judged + judged, state.branch_judged)
+        judged = jnp.where(tried, self.DECAY * state.judged + judged, state.judged)
+        probe_round = depth == 0
         missed = tried & probe_round & (result.accepted == 0)
         misses = jnp.where(missed, state.misses + 1, jnp.where(tried & (result.accepted > 0), 0, state.misses))
         backoff = jnp.minimum(jnp.left_shift(1, jnp.clip(misses - 1, 0, 8)), MAX_COOLDOWN) * self.probe_spacing
         cooldown = jnp.where(missed, backoff, jnp.where(active, jnp.maximum(state.cooldown - 1, 0), state.cooldown))
         num_tokens = jnp.where(tried, result.drafted, state.num_tokens)
-        return DraftLength(num_tokens=num_tokens, misses=misses, cooldown=cooldown, accepted=accepted, judged=judged)
+        return DraftLength(num_tokens=num_tokens, misses=misses, cooldown=cooldown, accepted=accepted, judged=judged,
+                           branch_accepted=branch_accepted, branch_judged=branch_judged)
 
 
 def _all_rows(state: DraftLength) -> jax.Array:
@@ -201,4 +263,5 @@ def make_schedule(kind: str, initial: int, max_draft: int, draft_cost: float, ro
     entries = tuple(entries_per_draft * (w - 1) + 1 for w in widths)
     return Schedule(kind, initial=initial, widths=widths, verify_costs=default_verify_costs(entries),
                     draft_cost=round(float(draft_cost), 3), round_cost=round(float(round_cost), 3),
-                    entries_per_draft=entries_per_draft)
+                    entries_per_draft=entries_per_draft,
+                    chain_costs=default_verify_costs(widths) if entries_per_draft > 1 else ())

@@ -134,19 +134,41 @@ def chain(tokens: jax.Array, count: jax.Array, probs: jax.Array | None = None) -
     return DraftTree(tokens=tokens, parents=parents, ranks=jnp.zeros_like(tokens), count=count, probs=probs)
 
 
-def sibling_tree(tokens: jax.Array, depth: jax.Array, probs: jax.Array | None = None) -> DraftTree:
+def sibling_tree(tokens: jax.Array, depth: jax.Array, probs: jax.Array | None = None,
+                 branching: jax.Array | None = None) -> DraftTree:
     """A chain with alternatives at every depth, from a drafter that drafts one chain and keeps F candidates per
     step: tokens [B, D, F] (candidate 0 is the chain's token, the parent of every candidate one depth down), depth
     [B] the depths the row drafts, probs [B, D, F, V] each candidate's law or None. Node d * F + j is candidate j at
-    depth d + 1, so the row's nodes come first and a branching-1 tree is the chain."""
+    depth d + 1, so the row's nodes come first and a branching-1 tree is the chain. `branching` ([], at most F;
+    None: F): the candidates kept per depth this round (the adaptive schedule's choice; 1 drafts the chain alone)."""
     batch, max_depth, width = tokens.shape
     index = jnp.arange(max_depth * width)
     level, rank = index // width, index % width
     parents = jnp.where(level == 0, ROOT, (level - 1) * width)
     flat = lambda x: x.reshape((batch, max_depth * width) + x.shape[3:])  # noqa: E731
-    return DraftTree(tokens=flat(tokens), parents=jnp.broadcast_to(parents, (batch, index.size)).astype(jnp.int32),
+    tree = DraftTree(tokens=flat(tokens), parents=jnp.broadcast_to(parents, (batch, index.size)).astype(jnp.int32),
                      ranks=jnp.broadcast_to(rank, (batch, index.size)).astype(jnp.int32),
                      count=(depth * width).astype(jnp.int32), probs=None if probs is None else flat(probs))
+    if branching is None or width == 1:
+        return tree
+    return packed(tree, (level[None, :] < depth[:, None]) & (rank[None, :] < branching))
+
+
+def packed(tree: DraftTree, keep: jax.Array) -> DraftTree:
+    """The nodes of `tree` where keep [B, N] (a node kept with each of its ancestors), moved to the front in their
+    order, so that parents still come first and `count` says which are valid."""
+    batch, n = tree.tokens.shape
+    index = jnp.cumsum(keep, axis=1) - 1  # [B, N] each kept node's new index
+    target = jnp.where(keep, index, n)  # dropped nodes are written past the end
+    parents = jnp.where(tree.parents == ROOT, ROOT, jnp.take_along_axis(index, jnp.maximum(tree.parents, 0), axis=1))
+    rows = jnp.arange(batch)[:, None]
+
+    def move(x, fill):
+        return jnp.full_like(x, fill).at[rows, target].set(x, mode="drop")
+
+    return DraftTree(tokens=move(tree.tokens, 0), parents=move(parents.astype(jnp.int32), ROOT),
+                     ranks=move(tree.ranks, 0), count=jnp.sum(keep, axis=1).astype(jnp.int32),
+                     probs=None if tree.probs is None else move(tree.probs, 0.0))
 
 
 def draw_candidates(rng: jax.Array, processed: jax.Array, width: int, do_sample: bool, keep_probs: bool,

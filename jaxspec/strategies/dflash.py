@@ -82,7 +82,7 @@ class BlockDrafter(Drafter):
         (tokens, probs), forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, None)
         count = limit.astype(jnp.int32)
         if self.tree is not None:  # the block's drafts with their alternatives at every position, as leaves
-            draft = Draft.of_tree(sibling_tree(tokens, count, probs))
+            draft = Draft.of_tree(sibling_tree(tokens, count, probs, self.schedule.branching(state.length, ~loop.done)))
         else:
             draft = Draft(tokens=tokens[:, :, 0], count=count, probs=None if probs is None else probs[:, :, 0])
         return DraftStep(draft=draft, state=state, forwards=forwards, target_cache=loop.cache)

@@ -87,10 +87,11 @@ class AutoregressiveDrafter(Drafter):
         """[B] drafts each row may propose this round: its schedule's length, within its budget."""
         return jnp.minimum(self.schedule.allowed(length, ~loop.done), room_for_drafts(loop))
 
-    def draft_loop(self, ctx: Context, loop: DecodeState, limit, first_logits, feed: Feed, carry, rng):
+    def draft_loop(self, ctx: Context, loop: DecodeState, limit, first_logits, feed: Feed, carry, rng,
+                   branching: jax.Array | None = None):
         """Draft from `first_logits` ([B, V], predicting position L), feeding each draft back through `feed`.
 
-        Returns (Draft, carry, feeds). Draft i is chosen from the drafter's logits processed with the prefix it
+        Returns (Draft, carry, feeds); with a tree, the chain and its alternatives, `branching` ([]) per depth. Draft i is chosen from the drafter's logits processed with the prefix it
         extends (committed tokens and drafts 1..i-1), exactly as the target's logits are processed when verifying.
         """
         k, batch = self.max_draft, loop.lengths.shape[0]
@@ -144,7 +145,7 @@ class AutoregressiveDrafter(Drafter):
         state = (0, carry, first_logits, loop.tokens, tokens, probs, limit > 0, jnp.zeros_like(limit),
                  jnp.zeros((), jnp.int32))
         _, carry, _, _, tokens, probs, _, count, feeds = jax.lax.while_loop(cond, step, state)
-        return self._proposal(tokens, count, probs), carry, feeds
+        return self._proposal(tokens, count, probs, branching), carry, feeds
 
     @property
     def branches(self) -> int:
@@ -161,10 +162,10 @@ class AutoregressiveDrafter(Drafter):
         ranked = (law + noise).at[jnp.arange(token.shape[0]), token].set(jnp.inf)  # the chain's token first
         return jax.lax.top_k(ranked, self.branches)[1].astype(jnp.int32)
 
-    def _proposal(self, tokens, count, probs) -> Draft:
+    def _proposal(self, tokens, count, probs, branching=None) -> Draft:
         """A chain's Draft from [B, K, 1] candidates, or the tree of the chain and its alternatives."""
         if self.tree is not None:
-            return Draft.of_tree(sibling_tree(tokens, count, probs))
+            return Draft.of_tree(sibling_tree(tokens, count, probs, branching))
         return Draft(tokens=tokens[:, :, 0], count=count, probs=None if probs is None else probs[:, :, 0])
 
     def no_draft(self, loop: DecodeState, vocab: int) -> Draft:
@@ -212,7 +213,8 @@ class DraftModelDrafter(AutoregressiveDrafter):
                 logits, _, cache = assistant(token[:, None], positions, cache)
                 return logits[:, 0], cache
 
-            draft, cache, feeds = self.draft_loop(ctx, loop, limit, logits, feed, cache, rng)
+            branching = self.schedule.branching(state.length, ~loop.done)
+            draft, cache, feeds = self.draft_loop(ctx, loop, limit, logits, feed, cache, rng, branching)
             # Valid if every draft is accepted: the committed tokens, then drafts 1..count-1 (the last one is never
             # fed; a tree's count is its nodes, F per drafted step). `update` lowers this to what was accepted.
             synced = loop.lengths + jnp.maximum(draft.count // self.branches - 1, 0)

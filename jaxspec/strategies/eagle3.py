@@ -167,7 +167,7 @@ class Eagle3Drafter(Drafter):
         (cache, synced, forwards), (tokens, probs) = inplace.cond(jnp.any(count > 0), run, skip, carry)
         state = dataclasses.replace(state, cache=cache, synced=synced)
         if self.tree is not None:  # the chain with its alternatives at every depth
-            draft = Draft.of_tree(sibling_tree(tokens, count, probs))
+            draft = Draft.of_tree(sibling_tree(tokens, count, probs, self.schedule.branching(state.length, ~loop.done)))
         else:
             draft = Draft(tokens=tokens[:, :, 0], count=count, probs=None if probs is None else probs[:, :, 0])
         return DraftStep(draft=draft, state=state, forwards=forwards, target_cache=loop.cache)

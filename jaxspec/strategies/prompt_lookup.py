@@ -144,6 +144,8 @@ class PromptLookupDrafter(Drafter):
         valid = found[:, :, None] & (offsets < loop.lengths[:, None, None])
         valid &= jnp.cumsum(ctx.is_eos(candidates), axis=2) == 0
         lengths = jnp.sum(jnp.cumprod(valid, axis=2), axis=2)  # [B, F]
+        # The schedule's branching this round: the best match alone (a chain), or all of them.
+        lengths = jnp.where(jnp.arange(branches)[None, :] < self.schedule.branching(state, ~loop.done), lengths, 0)
         allowed = jnp.minimum(self.schedule.allowed(state, ~loop.done), room_for_drafts(loop))  # [B] depth
         tree = continuation_trie(candidates, jnp.minimum(lengths, allowed[:, None]).astype(jnp.int32))
         return DraftStep(draft=Draft.of_tree(tree), state=state, forwards=jnp.zeros((), jnp.int32),

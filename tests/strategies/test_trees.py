@@ -19,7 +19,7 @@ import torch
 import jaxspec
 from jaxspec import settings as settings_lib
 from jaxspec.schedule import make_schedule
-from jaxspec.strategies.base import Context, DecodeState, Draft, Drafter, DraftStep, room_for_drafts
+from jaxspec.strategies.base import Context, DecodeState, Draft, Drafter, DraftStep, RoundResult, room_for_drafts
 from jaxspec.strategies.prompt_lookup import continuation_trie, find_continuations
 from jaxspec.tree import ROOT, DraftTree, TreeShape
 from tests.fixtures import eagle3 as eagle3_fixtures
@@ -114,6 +114,38 @@ def test_an_assistant_drafting_for_itself_accepts_its_whole_chain(target):
     np.testing.assert_array_equal(tree.sequences, chain.sequences)
     np.testing.assert_array_equal(tree.accepted_hist, chain.accepted_hist)
     assert chain.accepted_hist[:, 4].sum() >= 2 * (N // 5)  # all but the budget's last round commit 4 drafts
+
+
+def test_the_schedule_branches_where_alternatives_pay_and_learns_from_tree_rounds():
+    """Chain acceptance 0.3 while a depth with two alternatives is won 0.9 of the time: with tree blocks nearly as cheap
+    as chain blocks (an accelerator) the schedule drafts the tree; where each entry costs half a step, the chain. A
+    tree round teaches the branch acceptance; the chain's comes from the chain tokens alone (`on_chain`)."""
+    schedule = make_schedule("adaptive", 4, 4, draft_cost=0.0, entries_per_draft=3)
+    state = dataclasses.replace(schedule.init(1, jnp.int32(4)), accepted=jnp.array([3.0]), judged=jnp.array([10.0]),
+                                branch_accepted=jnp.array([9.0]), branch_judged=jnp.array([10.0]))
+    active = jnp.array([True])
+
+    def priced(per_entry):
+        return dataclasses.replace(schedule, verify_costs=tuple(1 + per_entry * (e - 1) for e in schedule.entry_widths),
+                                   chain_costs=tuple(1 + 0.02 * (w - 1) for w in schedule.widths))
+
+    cheap, dear = priced(0.02), priced(0.5)
+    depth, branching = cheap.choice(state, active)
+    assert int(branching) == 3 and int(depth) >= 1 and int(cheap.branching(state, active)) == 3
+    depth, branching = dear.choice(state, active)
+    assert int(branching) == 1 and int(depth) >= 1 and int(dear.branching(state, active)) == 1
+    # A tree round of depth 2: the chain's first token rejected, an alternative accepted.
+    result = RoundResult(drafted=jnp.array([2]), accepted=jnp.array([1]), committed=jnp.array([2]),
+                         tokens=jnp.zeros((1, 5), jnp.int32), hidden=jnp.zeros((1, 5, 1)), lengths=jnp.array([9]),
+                         on_chain=jnp.array([0]))
+    after = cheap.update(state, result, 4)
+    decay = cheap.DECAY
+    np.testing.assert_allclose(after.accepted, decay * 3.0)  # no chain token accepted
+    np.testing.assert_allclose(after.judged, decay * 10.0 + 1)  # one judged: the rejected one
+    np.testing.assert_allclose(after.branch_accepted, decay * 9.0 + 1)
+    np.testing.assert_allclose(after.branch_judged, decay * 10.0 + 1)
+    untaught = dear.update(state, result, 4)  # the dear schedule drafted a chain: the branch estimate stays
+    np.testing.assert_allclose(untaught.branch_accepted, 9.0)
 
 
 @dataclasses.dataclass(frozen=True)
