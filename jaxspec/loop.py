@@ -242,6 +242,7 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
         accepted=c.accepted + jnp.where(active, n, 0),
         accepted_hist=c.accepted_hist + (active[:, None] & (jnp.arange(k + 1)[None, :] == n[:, None])),
         priced_steps=c.priced_steps + _priced_round(drafter, jnp.where(state.done, 0, checked.drafted), count),
+        tree_rounds=c.tree_rounds + (jnp.max(count - checked.drafted) > 0),  # nodes beyond the depth: alternatives
     )
     return dataclasses.replace(state, tokens=tokens, lengths=lengths, done=done, cache=cache, drafter=drafter_state,
                                rng=rng, counters=counters, scores=scores)

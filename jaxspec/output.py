@@ -24,6 +24,7 @@ class GenerateOutput:
     decode_seconds: float  # prefill + rounds, compile excluded
     prefill_seconds: float = float("nan")
     strategy: str = "greedy"
+    tree_rounds: int = 0  # rounds that verified a tree: alternatives beside the drafter's chain (`tree=`)
     drafter_summary: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     # [B, N, V] float32 with return_logits=True: the processed target logits each new token was chosen from (what
     # plain decoding would have used at that position), -inf rows past a row's end; else None.
@@ -72,6 +73,7 @@ class GenerateOutput:
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "accepted_length_histogram": self.accepted_hist.sum(0).tolist(),
+            "tree_rounds": self.tree_rounds,
             "priced_steps": self.priced_steps,
             "modelled_speedup": self.modelled_speedup,
             "compile_seconds": self.compile_seconds,
@@ -124,6 +126,7 @@ def unpack(final: FinalState, given: np.ndarray, prompt_lengths: np.ndarray, pad
         decode_seconds=timings.decode_seconds,
         prefill_seconds=timings.prefill_seconds,
         strategy=strategy,
+        tree_rounds=int(counters.tree_rounds),
         drafter_summary={k: np.asarray(v) for k, v in final.drafter_summary.items()},
         logits=None if final.scores is None else np.asarray(final.scores)[:, :width],
     )

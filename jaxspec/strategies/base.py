@@ -64,6 +64,7 @@ class Counters:
     # [] float32: the rounds' price in plain decoding steps by the adaptive schedule's cost model (loop.py
     # `_priced_round`); 0 where the schedule prices nothing
     priced_steps: jax.Array
+    tree_rounds: jax.Array  # [] int32 rounds whose verify block held alternatives beside the chain (a tree)
 
     @staticmethod
     def zeros(batch: int, max_draft: int) -> "Counters":
@@ -75,6 +76,7 @@ class Counters:
             accepted=jnp.zeros((batch,), jnp.int32),
             accepted_hist=jnp.zeros((batch, max_draft + 1), jnp.int32),
             priced_steps=jnp.zeros((), jnp.float32),
+            tree_rounds=zero,
         )
 
 

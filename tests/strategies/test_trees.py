@@ -80,6 +80,7 @@ def test_a_branching_one_tree_is_the_chain_round_for_round(target, head, case):
     np.testing.assert_array_equal(tree.sequences, chain.sequences)
     np.testing.assert_array_equal(tree.accepted_hist, chain.accepted_hist)
     np.testing.assert_array_equal(tree.drafted, chain.drafted)
+    assert tree.tree_rounds == 0  # no alternatives: every round verified a chain
     assert chain.drafted.sum() > 0 and (chain.accepted.sum() > 0 or not with_head)  # the random target copies nothing
 
 
@@ -195,6 +196,7 @@ def test_the_second_sibling_is_committed_and_its_path_cached_like_a_chain(target
     # (N - 1) / (D + 1) rounds commit D + 1 tokens each; the last round drafts only what the budget leaves
     assert out.accepted_hist[:, depth].min() == (N - 1) // (depth + 1)
     assert out.accepted_hist[:, 0].max() == 0
+    assert out.tree_rounds == out.rounds  # each round verified alternatives
 
 
 def test_tree_mistakes_are_named_before_compiling(target, tmp_path):
