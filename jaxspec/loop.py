@@ -194,8 +194,8 @@ def _rounds(spec: LoopSpec, target_state, assistant_state, state: DecodeState, i
     def cond(carry):
         state, rounds_run = carry
         some_row_running = ~jnp.all(state.done)  # every row hit EOS or its budget
-        # Cache full: by construction (buffer >= prompt + budget + K + 1, N + 1 for a tree) this never fires; it guards the buffer
-        # bounds should that invariant ever be broken.
+        # Cache full: by construction (buffer >= prompt + budget + K + 1, N + 1 for a tree) this never fires; it
+        # guards the buffer bounds should that invariant ever be broken.
         room_left = jnp.all(state.done | (state.lengths + k < size))
         within_dispatch = rounds_run < max_rounds  # a caller streaming output asked for control back
         return some_row_running & room_left & within_dispatch
@@ -230,8 +230,8 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
                           scores.shape[1])
         scores = scores.at[rows[:, None], slots].set(checked.processed, mode="drop")
 
-    result = RoundResult(drafted=checked.drafted, accepted=n, committed=committed, tokens=verified, hidden=checked.hidden,
-                         lengths=lengths, features=checked.features, on_chain=checked.on_chain)
+    result = RoundResult(drafted=checked.drafted, accepted=n, committed=committed, tokens=verified,
+                         hidden=checked.hidden, lengths=lengths, features=checked.features, on_chain=checked.on_chain)
     drafter_state = drafter.update(ctx, step.state, result)
     active = ~state.done
     c = state.counters

@@ -33,8 +33,9 @@ from ..costs import weight_bytes
 from ..schedule import DraftLength, Schedule, make_schedule
 from ..tree import draw_candidates, sibling_tree
 from .base import Context, DecodeState, Draft, Drafter, DraftStep, PrefillChunk, RoundResult, room_for_drafts
-from .spec import (ASSISTANT_ENSEMBLE_WEIGHT, ASSISTANT_MODEL, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE, TREE,
-                   BuildRequest, Option, Strategy, StrategyChoice, check_positive_int, schedule_kind, tree_shape)
+from .spec import (ASSISTANT_ENSEMBLE_WEIGHT, ASSISTANT_MODEL, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE,
+                   TREE, BuildRequest, Option, Strategy, StrategyChoice, check_positive_int, schedule_kind,
+                   tree_shape)
 
 
 @jax.tree_util.register_dataclass

@@ -91,8 +91,9 @@ class AutoregressiveDrafter(Drafter):
                    branching: jax.Array | None = None):
         """Draft from `first_logits` ([B, V], predicting position L), feeding each draft back through `feed`.
 
-        Returns (Draft, carry, feeds); with a tree, the chain and its alternatives, `branching` ([]) per depth. Draft i is chosen from the drafter's logits processed with the prefix it
-        extends (committed tokens and drafts 1..i-1), exactly as the target's logits are processed when verifying.
+        Returns (Draft, carry, feeds); with a tree, the chain and its alternatives, `branching` ([]) per depth. Draft
+        i is chosen from the drafter's logits processed with the prefix it extends (committed tokens and drafts
+        1..i-1), exactly as the target's logits are processed when verifying.
         """
         k, batch = self.max_draft, loop.lengths.shape[0]
         rows = jnp.arange(batch)

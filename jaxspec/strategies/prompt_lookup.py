@@ -92,8 +92,8 @@ def continuation_trie(candidates: jax.Array, lengths: jax.Array) -> DraftTree:
     target = jnp.where(flat(is_node), packed, nodes)  # non-nodes are dropped
     # The parent of (m, d) is the node of the candidate owning its first d tokens, at depth d - 1.
     parent_flat = jnp.roll(owner, 1, axis=2) * depth + jnp.arange(depth)[None, None, :] - 1  # [B, M, D]
-    parent = jnp.where(jnp.arange(depth)[None, None, :] == 0, ROOT,
-                       jnp.take_along_axis(packed, jnp.maximum(flat(parent_flat), 0), axis=1).reshape(parent_flat.shape))
+    parent_index = jnp.take_along_axis(packed, jnp.maximum(flat(parent_flat), 0), axis=1).reshape(parent_flat.shape)
+    parent = jnp.where(jnp.arange(depth)[None, None, :] == 0, ROOT, parent_index)
     rows = jnp.arange(batch)[:, None]
     tokens = jnp.zeros((batch, nodes), jnp.int32).at[rows, target].set(flat(candidates), mode="drop")
     parents = jnp.full((batch, nodes), ROOT, jnp.int32).at[rows, target].set(flat(parent), mode="drop")

@@ -426,7 +426,8 @@ def test_every_drafter_is_exact_and_q_before_processing_is_rejected(tiny_llama_d
 # Siblings drawn with replacement (independent draws from the step's law, so they may repeat the chain's token or each
 # other) but verified with the laws of draws without replacement.
 SIBLINGS_WITH_REPLACEMENT = Mutation(
-    draft_model.AutoregressiveDrafter, "_alternatives", "return jax.lax.top_k(ranked, self.branches)[1].astype(jnp.int32)",
+    draft_model.AutoregressiveDrafter, "_alternatives",
+    "return jax.lax.top_k(ranked, self.branches)[1].astype(jnp.int32)",
     "return jnp.concatenate([token[:, None], jax.random.categorical(jax.random.fold_in(key, 1), law[:, None, :], "
     "shape=(law.shape[0], self.branches - 1))], axis=1).astype(jnp.int32)")
 # The residual left as the target's law after a rejected sibling: the next sibling is judged against p again.
