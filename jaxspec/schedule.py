@@ -257,8 +257,8 @@ def make_schedule(kind: str, initial: int, max_draft: int, draft_cost: float, ro
                   entries_per_draft: int = 1) -> Schedule:
     """A schedule; the adaptive one gets the loop's verify widths, their default costs, the cost of one draft and
     the fixed cost of a drafting round. A tree drafter's drafts are depths, each `entries_per_draft` entries."""
-    if kind != "adaptive":
-        return Schedule(kind, initial=initial)
+    if kind != "adaptive":  # a tree then drafts all its candidates every round
+        return Schedule(kind, initial=initial, entries_per_draft=entries_per_draft)
     widths = verify_widths(max_draft)
     entries = tuple(entries_per_draft * (w - 1) + 1 for w in widths)
     return Schedule(kind, initial=initial, widths=widths, verify_costs=default_verify_costs(entries),

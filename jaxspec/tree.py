@@ -37,7 +37,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .sampling import NEG_INF, sample_from_probs, select
+from .sampling import sample_from_probs, select
 
 ROOT = -1
 
@@ -191,16 +191,23 @@ def draw_candidates(rng: jax.Array, processed: jax.Array, width: int, do_sample:
     else:
         _, tokens = jax.lax.top_k(processed, width)
     tokens = tokens.astype(jnp.int32)
-    if not keep_probs:
-        return tokens, None
-    laws, removed = [], jnp.zeros(processed.shape, bool)
-    for j in range(width):
-        remaining = jnp.where(removed, NEG_INF, processed)
-        has_mass = jnp.any(jnp.isfinite(remaining), axis=-1, keepdims=True)
-        one_hot = jax.nn.one_hot(tokens[:, j], processed.shape[-1], dtype=jnp.float32)
-        laws.append(jnp.where(has_mass, law(jnp.where(has_mass, remaining, 0.0)), one_hot))
+    return tokens, candidate_laws(law(processed), tokens) if keep_probs else None
+
+
+def candidate_laws(q: jax.Array, candidates: jax.Array) -> jax.Array:
+    """A step's law q [B, V] and its candidates [B, F], drawn one after another without replacement -> [B, F, V]:
+    candidate j's law, q with candidates 0 .. j-1 removed and renormalised (the one-hot of candidate j where they
+    took all of q's mass: it was then a fixed token given them)."""
+    if candidates.shape[1] == 1:
+        return q[:, None]
+    laws, removed = [], jnp.zeros(q.shape, bool)
+    for j in range(candidates.shape[1]):
+        one_hot = jax.nn.one_hot(candidates[:, j], q.shape[-1], dtype=q.dtype)
+        remaining = jnp.where(removed, 0.0, q)
+        total = jnp.sum(remaining, axis=-1, keepdims=True)
+        laws.append(jnp.where(total > jnp.finfo(q.dtype).tiny, remaining / jnp.maximum(total, 1e-30), one_hot))
         removed = removed | one_hot.astype(bool)
-    return tokens, jnp.stack(laws, axis=1)
+    return jnp.stack(laws, axis=1)
 
 
 @jax.tree_util.register_dataclass

@@ -31,7 +31,7 @@ from .. import inplace
 from ..costs import weight_bytes
 from ..sampling import select
 from ..schedule import DraftLength, Schedule
-from ..tree import sibling_tree
+from ..tree import candidate_laws, sibling_tree
 from .base import Context, DecodeState, Draft, Drafter, DraftStep, RoundResult, room_for_drafts
 from .spec import (ASSISTANT_MODEL, ASSISTANT_TOKENIZER, DRAFT_LENGTH_OPTIONS, TREE, BuildRequest, Strategy,
                    StrategyChoice, check_assistant, default_prefill_chunk, draft_length, persist_heuristic_length,
@@ -123,7 +123,7 @@ class AutoregressiveDrafter(Drafter):
                     confident_q = confident_q / jnp.maximum(jnp.sum(confident_q, axis=-1, keepdims=True),
                                                             jnp.finfo(q.dtype).tiny)
                     q = jnp.where(i == 0, confident_q, q)
-                probs = probs.at[:, i].set(_without_earlier(q, candidates))
+                probs = probs.at[:, i].set(candidate_laws(q, candidates))
             count = count + kept
             active = kept & confident & ~ctx.is_eos(token) & (count < limit)
             # Draft i + 1 needs draft i run through the network; skip that when no row drafts again.
@@ -304,17 +304,3 @@ SPECULATIVE = Strategy(
     persist=persist_heuristic_length,
 )
 
-
-def _without_earlier(q: jax.Array, candidates: jax.Array) -> jax.Array:
-    """[B, V] a step's law and its candidates [B, F] -> [B, F, V]: candidate j's law, q with candidates 0 .. j-1
-    removed and renormalised (the one-hot of candidate j where they took all of q's mass)."""
-    if candidates.shape[1] == 1:
-        return q[:, None]
-    laws, removed = [], jnp.zeros(q.shape, bool)
-    for j in range(candidates.shape[1]):
-        one_hot = jax.nn.one_hot(candidates[:, j], q.shape[-1], dtype=q.dtype)
-        remaining = jnp.where(removed, 0.0, q)
-        total = jnp.sum(remaining, axis=-1, keepdims=True)
-        laws.append(jnp.where(total > jnp.finfo(q.dtype).tiny, remaining / jnp.maximum(total, 1e-30), one_hot))
-        removed = removed | one_hot.astype(bool)
-    return jnp.stack(laws, axis=1)

@@ -115,8 +115,8 @@ def tree_schedule(schedule: Schedule, tree: TreeShape) -> Schedule:
     """A drafter's schedule for drafting trees: its drafts are depths, at most the tree's, each verifying the tree's
     branching in entries (the adaptive schedule prices a depth-d tree as a block of F d + 1 entries)."""
     initial = min(schedule.initial, tree.depth)
-    if schedule.kind != "adaptive":
-        return dataclasses.replace(schedule, initial=initial)
+    if schedule.kind != "adaptive":  # every round drafts the whole tree
+        return dataclasses.replace(schedule, initial=initial, entries_per_draft=tree.branching)
     return make_schedule(schedule.kind, initial, tree.depth, schedule.draft_cost, schedule.round_cost,
                          entries_per_draft=tree.branching)
 

@@ -101,6 +101,7 @@ def test_greedy_trees_equal_plain_greedy_and_rows_alone(target, head, dflash_dra
     out = jaxspec.generate(target, REPETITIVE, **kwargs)
     np.testing.assert_array_equal(out.sequences, plain.sequences)
     assert out.drafted.sum() > 0
+    assert schedule == "adaptive" or out.tree_rounds > 0  # the constant schedule drafts the whole tree
     alone = jaxspec.generate(target, REPETITIVE[2:], **kwargs)
     np.testing.assert_array_equal(alone.new_tokens(0), out.new_tokens(2))
 
@@ -131,6 +132,8 @@ def test_the_schedule_branches_where_alternatives_pay_and_learns_from_tree_round
                                    chain_costs=tuple(1 + 0.02 * (w - 1) for w in schedule.widths))
 
     cheap, dear = priced(0.02), priced(0.5)
+    constant = make_schedule("constant", 4, 4, draft_cost=0.0, entries_per_draft=3)
+    assert int(constant.branching(state, active)) == 3  # other schedules draft the whole tree every round
     depth, branching = cheap.choice(state, active)
     assert int(branching) == 3 and int(depth) >= 1 and int(cheap.branching(state, active)) == 3
     depth, branching = dear.choice(state, active)
