@@ -91,6 +91,15 @@ def move_entries(buffer: jax.Array, start: jax.Array, source: jax.Array) -> jax.
     return buffer.at[:, rows, ..., start[:, None] + jnp.arange(width)[None, :], :].set(taken, mode="drop")
 
 
+def move_cache_entries(cache, start: jax.Array, source: jax.Array):
+    """`move_entries` on every stack of a model's cache: a cache class whose arrays are not all [L, B, ..., S, F]
+    (Gemma's per-position inputs) says how with its own `move_entries` method."""
+    own = getattr(cache, "move_entries", None)
+    if own is not None:
+        return own(start, source)
+    return jax.tree.map(lambda x: move_entries(x, start, source), cache)
+
+
 def move_kv_entries(cache: KVCache, start: jax.Array, source: jax.Array) -> KVCache:
     """`move_entries` on both of a KVCache's stacks."""
     return KVCache(k=move_entries(cache.k, start, source), v=move_entries(cache.v, start, source))

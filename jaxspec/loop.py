@@ -31,7 +31,7 @@ from .sampling import select
 from .sharding import ShardingRules, constrain, named_sharding
 from .strategies.base import (Context, Counters, DecodeState, Drafter, DraftStep, PrefillChunk, RoundResult,
                              run_tapped_layers)
-from .cache import move_entries
+from .cache import move_cache_entries
 from .verify import leading_true, verify
 
 _trace_count = 0
@@ -307,7 +307,7 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftS
         processed = _process_tree(ctx, out.logits, state, tree, depth)  # [B, W, V]
         verdict = tree_lib.verify_tree(rng, processed, tree, depth, spec.drafter.tree.branching, spec.do_sample)
         sources = tree_lib.path_sources(verdict, width)  # [B, W]
-        cache = jax.tree.map(lambda x: move_entries(x, block.start, sources), out.cache)
+        cache = move_cache_entries(out.cache, block.start, sources)
         along_path = sources[:, :depth + 1]  # [B, depth+1]: the block entries the committed tokens came from
 
         def path_k1(x):  # [B, W, ...] -> [B, K+1, ...] along the accepted path

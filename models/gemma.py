@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.cache import KVCache, init_kv_cache, write_kv
+from jaxspec.cache import KVCache, init_kv_cache, move_entries, move_kv_entries, write_kv
 
 from . import int8 as I
 from . import layers as L
@@ -446,6 +446,12 @@ class GemmaCache:
     def stack(self, layer_type: str) -> KVCache:
         return self.sliding if layer_type == SLIDING else self.full
 
+    def move_entries(self, start: jax.Array, source: jax.Array) -> "GemmaCache":
+        """`jaxspec.cache.move_entries` on every stack; the per-layer inputs have no layer axis of their own."""
+        return GemmaCache(sliding=move_kv_entries(self.sliding, start, source),
+                          full=move_kv_entries(self.full, start, source),
+                          per_layer_inputs=move_entries(self.per_layer_inputs[None], start, source)[0])
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Module
@@ -469,6 +475,8 @@ class GemmaForCausalLM(nnx.Module):
     `logits()`, so every sampler and verifier sees the capped distribution. The layer loop is unrolled over
     per-layer arrays, as in `LlamaForCausalLM`.
     """
+
+    tree_attention = True  # verifies tree-shaped blocks (`tree=`; jaxspec/tree.py)
 
     def __init__(self, cfg: GemmaConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs | None = None):
         self.cfg = cfg
@@ -511,24 +519,23 @@ class GemmaForCausalLM(nnx.Module):
         """Run decoder layers [start, stop) on x, writing their cache entries at `positions`. -> ([B, T, D], cache)
 
         x: `embed_tokens` output, or a [B, T, D] hidden state when starting past layer 0 (see the module docstring
-        for where per-layer inputs come from then).
+        for where per-layer inputs come from then). A tree-shaped block (`tree`, jaxspec/tree.py) is written at its
+        slots and attends as `layers.tree_visibility` lays it out, `positions` being the entries' rope positions.
         """
-        if tree is not None:
-            raise NotImplementedError(f"tree-shaped verify blocks need tree attention, which {type(self).__name__} "
-                                      "does not have yet (the Llama family, Qwen2 and Qwen3 have it).")
         cfg = self.cfg
         stop = cfg.num_layers if stop is None else stop
-        x, per_layer, cache = self._split_per_layer_inputs(x, positions, cache, start, stop)
+        slots = positions if tree is None else tree.slots()  # where the entries are written: a tree's own slots
+        x, per_layer, cache = self._split_per_layer_inputs(x, slots, cache, start, stop)
         stacks = {SLIDING: cache.sliding, FULL: cache.full}
         for index in range(start, stop):
             p = self.layers[index].params()
             layer_input = None if per_layer is None else per_layer[..., index, :]
             x, stacks = _layer_call(cfg, p, x, layer_input, positions, stacks, cfg.cache_slot(index),
-                                    cfg.layer_types[index], cfg.computes_kv(index), cfg.has_value_proj(index))
+                                    cfg.layer_types[index], cfg.computes_kv(index), cfg.has_value_proj(index), tree)
         return x, dataclasses.replace(cache, sliding=stacks[SLIDING], full=stacks[FULL])
 
-    def _split_per_layer_inputs(self, x, positions, cache: GemmaCache, start: int, stop: int):
-        """-> (hidden [B, T, D], per-layer inputs [B, T, L, P] or None, cache)."""
+    def _split_per_layer_inputs(self, x, slots, cache: GemmaCache, start: int, stop: int):
+        """-> (hidden [B, T, D], per-layer inputs [B, T, L, P] or None, cache); the stored inputs are at `slots`."""
         cfg = self.cfg
         if not cfg.per_layer_input_size:
             return x, None, cache
@@ -537,13 +544,13 @@ class GemmaForCausalLM(nnx.Module):
         if x.shape[-1] == d + packed:
             x, per_layer = x[..., :d], x[..., d:]
             if stop < cfg.num_layers:  # a later run resumes from a hidden state and needs these
-                stored = cache.per_layer_inputs.at[rows, positions].set(per_layer.astype(self.dtype), mode="drop")
+                stored = cache.per_layer_inputs.at[rows, slots].set(per_layer.astype(self.dtype), mode="drop")
                 cache = dataclasses.replace(cache, per_layer_inputs=stored)
         elif start == 0:
             raise ValueError(f"run_layers from layer 0 of a Gemma 4 with per-layer inputs needs `embed_tokens` output "
                              f"(width {d + packed}); got width {x.shape[-1]}.")
         else:
-            per_layer = cache.per_layer_inputs[rows, positions]  # [B, T, L*P], written by the run from layer 0
+            per_layer = cache.per_layer_inputs[rows, slots]  # [B, T, L*P], written by the run from layer 0
         return x, per_layer.reshape(*x.shape[:-1], cfg.num_layers, cfg.per_layer_input_size), cache
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
@@ -596,22 +603,24 @@ def _scale(value: float, dtype) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layer_type", "computes_kv", "value_proj"))
 def _layer_call(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, slot, layer_type: str, computes_kv: bool,
-                value_proj: bool):
+                value_proj: bool, tree=None):
     """One Gemma block as a call that every layer of the same kind and shapes shares (`slot`, its cache slot, is
     traced), so an unrolled forward traces and lowers it once per kind, not once per layer (llama's `_layer_call`
     says why; XLA inlines it again)."""
     kind = cfg.sliding if layer_type == SLIDING else cfg.full
     inv_freq = kind.rope.inv_freq(kind.head_dim)
     return _decoder_layer(cfg, p, x, per_layer_input, positions, stacks, slot, layer_type, computes_kv, value_proj,
-                          inv_freq)
+                          inv_freq, tree)
 
 
 def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, slot, layer_type: str,
-                   computes_kv: bool, value_proj: bool, inv_freq):
+                   computes_kv: bool, value_proj: bool, inv_freq, tree=None):
     """One Gemma block: norm -> attention -> norm, residual; norm -> MLP -> norm, residual; then Gemma 4's per-layer
     input and layer scalar. stacks: {layer type: KVCache [L_type, B, K, S, Dh]}; `slot`: the cache slot the layer
     writes (if `computes_kv`) and reads, in its type's stack; `value_proj`: whether it projects values (else its raw
-    keys are its values, Gemma 4's k_eq_v)."""
+    keys are its values, Gemma 4's k_eq_v). A tree-shaped block (`tree`) is written at its slots and sees the
+    committed entries and its ancestors, within the window by rope position (`layers.tree_visibility`); a layer
+    that shares another's keys and values reads them there too."""
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     kind = cfg.sliding if layer_type == SLIDING else cfg.full
 
@@ -629,10 +638,14 @@ def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, s
         if cfg.v_norm:
             v = L.gemma_rms_norm(v, None, eps)
         k = L.apply_rope(k, positions, inv_freq)
-        stack = write_kv(stack, slot, positions, k, v)
+        stack = write_kv(stack, slot, positions if tree is None else tree.slots(), k, v)
         stacks = stacks | {layer_type: stack}
-    attn = L.attend_live(L.windowed_attention, q, stack.k, stack.v, positions, cfg.query_scale, kind.window,
-                         cfg.attn_softcap, layer=slot)
+    if tree is None:
+        attn = L.attend_live(L.windowed_attention, q, stack.k, stack.v, positions, cfg.query_scale, kind.window,
+                             cfg.attn_softcap, layer=slot)
+    else:
+        attn = L.attend_live(L.tree_attention, q, stack.k, stack.v, tree.slots(), cfg.query_scale, tree.start,
+                             tree.ancestors, positions, kind.window, cfg.attn_softcap, layer=slot)
     out = I.project("bthk,hkd->btd", attn, p["wo"])
     x = x + L.gemma_rms_norm(out, p["post_attn_norm"], eps, offset)
 

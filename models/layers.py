@@ -348,14 +348,14 @@ def tree_visibility(start: jax.Array, ancestors: jax.Array, positions: jax.Array
 
 
 def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slots: jax.Array, scale: float,
-                   start: jax.Array, ancestors: jax.Array, positions: jax.Array, window: int | None = None
-                   ) -> jax.Array:
+                   start: jax.Array, ancestors: jax.Array, positions: jax.Array, window: int | None = None,
+                   softcap: float | None = None) -> jax.Array:
     """Grouped-query attention of a tree-shaped verify block whose entries were written at `slots` [B, W]
-    (start + 0 .. W-1): see `tree_visibility`. q: [B, W, H, Dh]; k_cache, v_cache: [B, K, S, Dh]. `slots` is what
-    `attend_live` sizes the cache prefix by. Returns [B, W, H, Dv]."""
+    (start + 0 .. W-1): see `tree_visibility`; `softcap` as in `windowed_attention`. q: [B, W, H, Dh]; k_cache,
+    v_cache: [B, K, S, Dh]. `slots` is what `attend_live` sizes the cache prefix by. Returns [B, W, H, Dv]."""
     del slots  # every slot a query may see is below start + W, which attend_live's prefix holds
     visible = tree_visibility(start, ancestors, positions, k_cache.shape[2], window)
-    return grouped_attention(q, k_cache, v_cache, visible, scale)
+    return grouped_attention(q, k_cache, v_cache, visible, scale, softcap)
 
 
 def init_value(name: str, shape: tuple[int, ...], dtype, rngs) -> jax.Array:

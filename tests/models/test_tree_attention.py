@@ -1,16 +1,19 @@
-"""A tree-shaped verify block through the Llama family's forward (jaxspec/tree.py `TreeBlock`): each node's logits
-equal a chain forward over its own path, and after the accepted path's entries are moved to consecutive slots, the
-cache holds what a chain run over that path writes."""
+"""A tree-shaped verify block through a family's forward (jaxspec/tree.py `TreeBlock`): each node's logits equal a
+chain forward over its own path, and after the accepted path's entries are moved to consecutive slots, the cache
+holds what a chain run over that path writes. Llama, and the Gemma family with sliding windows of 4 keys (shorter
+than the prompt and block), Gemma 2's soft-capped scores and Gemma 4's shared keys and per-layer inputs."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxspec
 from jaxspec import tree as tree_lib
-from jaxspec.cache import move_kv_entries
+from jaxspec.cache import move_cache_entries
+from tests.fixtures import hf_models
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 # root (the prompt's last token) -> node 0 (21) -> node 2 (23) ; root -> node 1 (22) -> node 3 (24) -> node 4 (25)
@@ -20,9 +23,12 @@ RANKS = [0, 1, 0, 0, 0]
 PATHS = {0: [], 1: [0], 2: [1], 3: [0, 2], 4: [1, 3], 5: [1, 3, 4]}  # block entry -> its nodes below the root
 
 
-@pytest.fixture(scope="module")
-def model(tiny_llama_dir):
-    return jaxspec.load(tiny_llama_dir).module
+@pytest.fixture(scope="module", params=["llama", "gemma2", pytest.param("gemma4_text", marks=pytest.mark.slow)])
+def model(request, tiny_llama_dir, tmp_path_factory):
+    if request.param == "llama":
+        return jaxspec.load(tiny_llama_dir).module
+    folder = tmp_path_factory.mktemp(request.param)
+    return jaxspec.load(hf_models.save_tiny_gemma(request.param, folder, seed=0)).module
 
 
 def _prefilled(model, size=32):
@@ -58,9 +64,8 @@ def test_each_node_sees_its_path_and_the_accepted_path_compacts_to_a_chain(model
                                    tokens=jnp.zeros((1, 4), jnp.int32))
     sources = tree_lib.path_sources(verdict, width=6)
     np.testing.assert_array_equal(sources[0], [0, 2, 4, 3, 4, 5])
-    moved = move_kv_entries(cache, start, sources)
+    moved = move_cache_entries(cache, start, sources)
     _, chain_cache = _chain(model, _prefilled(model), [1, 3])
     end = len(PROMPT) + 2  # the committed prompt, the root and the two accepted nodes
-    for layer in range(model.cfg.num_layers):
-        np.testing.assert_allclose(moved.k[layer, 0, :, :end], chain_cache.k[layer, 0, :, :end], atol=1e-5)
-        np.testing.assert_allclose(moved.v[layer, 0, :, :end], chain_cache.v[layer, 0, :, :end], atol=1e-5)
+    for got, want in zip(jax.tree.leaves(moved), jax.tree.leaves(chain_cache), strict=True):  # [.., S, F] each
+        np.testing.assert_allclose(got[..., :end, :], want[..., :end, :], atol=1e-5)
