@@ -2,11 +2,12 @@
 block costs against a chain block of the same width.
 
     python benchmarks/bench_tree.py [--model smollm2-135m] [--drafters prompt_lookup,eagle3] [--chain 8]
-        [--trees 8,4:8,2] [--schedule constant] [--max-new-tokens 64] [--repeats 2] [--results benchmarks/results]
+        [--trees 8,4:8,2:8,4,4] [--schedule constant] [--max-new-tokens 64] [--repeats 2]
+        [--results benchmarks/results]
 
 Drafters: `prompt_lookup`, `eagle3` (the model's shipped head, or `eagle3=PATH`), `assistant=NAME` (a catalogue name
-or path with the target's tokenizer). Each runs a chain of K = `--chain` drafts and each tree (N, D) of `--trees`
-with N = K (so every block verifies up to K + 1 entries), on the five prompts of benchmarks/_bench_prompts.py through
+or path with the target's tokenizer). Each runs a chain of K = `--chain` drafts and each tree (N, D) or (N, D, F) of
+`--trees` with N = K (so every block verifies up to K + 1 entries; with F, the N most probable of D F candidates), on the five prompts of benchmarks/_bench_prompts.py through
 the chat template, batch 1, greedy; every output is checked equal to plain greedy's. The constant schedule (the
 default here) drafts the whole chain or tree every round, so the widths compared are the widths verified;
 `--schedule adaptive` compares what the library does by default.
@@ -35,7 +36,8 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--drafters", default="prompt_lookup,eagle3")
     p.add_argument("--chain", type=int, default=8, help="K: the chain's drafts, and every tree's node budget N")
-    p.add_argument("--trees", default="8,4:8,2", help="tree shapes N,D separated by ':' (N must equal --chain)")
+    p.add_argument("--trees", default="8,4:8,2", help="tree shapes N,D or N,D,F separated by ':' (N must equal "
+                   "--chain)")
     p.add_argument("--schedule", default="constant", choices=("constant", "adaptive"))
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
@@ -53,10 +55,13 @@ def main(argv=None) -> None:
     from jaxspec.strategies.base import Draft, Drafter, DraftStep
     from jaxspec.tree import TreeShape, sibling_tree
 
+    def describe(tree: TreeShape) -> str:
+        return f"N={tree.nodes} D={tree.depth}" + (f" F={tree.branching}" if tree.selects else "")
+
     trees = [TreeShape.parse(shape) for shape in args.trees.split(":")]
     for tree in trees:
         if tree.nodes != args.chain:
-            p.error(f"tree {tree.nodes},{tree.depth}: its node budget must equal --chain {args.chain} (equal widths)")
+            p.error(f"tree {describe(tree)}: its node budget must equal --chain {args.chain} (equal widths)")
     model = jaxspec.load(args.model)
     tokenizer = model.tokenizer
     prompts = {}
@@ -83,7 +88,7 @@ def main(argv=None) -> None:
         kwargs |= dict(num_assistant_tokens_schedule=args.schedule)
         calls[f"{label}, chain K={args.chain}"] = kwargs
         for tree in trees:
-            calls[f"{label}, tree N={tree.nodes} D={tree.depth}"] = kwargs | dict(tree=(tree.nodes, tree.depth))
+            calls[f"{label}, tree {describe(tree)}"] = kwargs | dict(tree=tree)
 
     def run(kwargs, ids):
         return jaxspec.generate(model, ids, max_new_tokens=args.max_new_tokens, eos_token_id=[], **kwargs)
@@ -116,7 +121,8 @@ def main(argv=None) -> None:
 
     @dataclasses.dataclass(frozen=True)
     class FixedBlock(Drafter):
-        """Proposes the same rejected tokens every round: a chain of K, or (with `tree`) a tree of N nodes."""
+        """Proposes the same rejected tokens every round: a chain of K, or (with `tree`) a tree of N nodes (with a
+        budget, the first N of the D F candidates: the block's shape is all that counts here)."""
 
         def draft(self, ctx, loop, state, rng):
             batch = loop.lengths.shape[0]
@@ -125,7 +131,8 @@ def main(argv=None) -> None:
                 draft = Draft(tokens=jnp.zeros((batch, self.max_draft), jnp.int32), count=count)
             else:
                 tokens = jnp.zeros((batch, self.max_draft, self.tree.branching), jnp.int32)
-                draft = Draft.of_tree(sibling_tree(tokens + jnp.arange(self.tree.branching), count))
+                draft = Draft.of_tree(sibling_tree(tokens + jnp.arange(self.tree.branching), count).truncated(
+                    self.tree.nodes))
             return DraftStep(draft, state, jnp.zeros((), jnp.int32), loop.cache)
 
     story = prompts["story"]
@@ -133,6 +140,7 @@ def main(argv=None) -> None:
     blocks = {"plain step": Drafter(0), f"chain block of {args.chain} drafts": FixedBlock(max_draft=args.chain)}
     for tree in trees:
         blocks[f"tree block of {tree.nodes} nodes, depth {tree.depth}"] = FixedBlock(max_draft=tree.depth, tree=tree)
+        # (a budget tree's block has the same N + 1 entries as the full tree of its depth)
     block_seconds = {name: [] for name in blocks}
     for repeat in range(args.repeats + 1):
         for name, drafter in blocks.items():

@@ -97,6 +97,7 @@ class Schedule:
     # picks, each round, the depth and whether to branch.
     entries_per_draft: int = 1
     chain_costs: tuple[float, ...] = ()
+    node_budget: int = 0  # a tree's N where it keeps fewer than F per depth (its block: min(F d, N) + 1); 0: none
 
     PRIOR_ACCEPTANCE = 0.6  # before any evidence, a row assumes this acceptance ...
     PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
@@ -125,7 +126,7 @@ class Schedule:
     @property
     def entry_widths(self) -> tuple[int, ...]:
         """The verify block's entries at each of `widths` (they are the widths themselves for a chain)."""
-        return tuple(self.entries_per_draft * (w - 1) + 1 for w in self.widths)
+        return tuple(tree_entries(w - 1, self.entries_per_draft, self.node_budget) for w in self.widths)
 
     @property
     def branches(self) -> bool:
@@ -253,15 +254,23 @@ def _all_rows(state: DraftLength) -> jax.Array:
     return jnp.ones(state.num_tokens.shape, bool)
 
 
+def tree_entries(depth: int, entries_per_draft: int, node_budget: int = 0) -> int:
+    """The verify block's entries for `depth` drafts (a tree: depths of `entries_per_draft` candidates each, at most
+    `node_budget` nodes where it is set), the root included."""
+    entries = entries_per_draft * depth
+    return (min(entries, node_budget) if node_budget else entries) + 1
+
+
 def make_schedule(kind: str, initial: int, max_draft: int, draft_cost: float, round_cost: float = 0.0,
-                  entries_per_draft: int = 1) -> Schedule:
+                  entries_per_draft: int = 1, node_budget: int = 0) -> Schedule:
     """A schedule; the adaptive one gets the loop's verify widths, their default costs, the cost of one draft and
-    the fixed cost of a drafting round. A tree drafter's drafts are depths, each `entries_per_draft` entries."""
+    the fixed cost of a drafting round. A tree drafter's drafts are depths, each `entries_per_draft` entries (at
+    most `node_budget` in all, where it is set)."""
     if kind != "adaptive":  # a tree then drafts all its candidates every round
-        return Schedule(kind, initial=initial, entries_per_draft=entries_per_draft)
+        return Schedule(kind, initial=initial, entries_per_draft=entries_per_draft, node_budget=node_budget)
     widths = verify_widths(max_draft)
-    entries = tuple(entries_per_draft * (w - 1) + 1 for w in widths)
+    entries = tuple(tree_entries(w - 1, entries_per_draft, node_budget) for w in widths)
     return Schedule(kind, initial=initial, widths=widths, verify_costs=default_verify_costs(entries),
                     draft_cost=round(float(draft_cost), 3), round_cost=round(float(round_cost), 3),
-                    entries_per_draft=entries_per_draft,
+                    entries_per_draft=entries_per_draft, node_budget=node_budget,
                     chain_costs=default_verify_costs(widths) if entries_per_draft > 1 else ())

@@ -45,40 +45,60 @@ ROOT = -1
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
     """A drafter's static tree budget: `nodes` N below the root, at most `depth` D deep, so a verify block holds at
-    most N + 1 entries and a round commits at most D + 1 tokens. The branching bound N // D is the most children a
-    node may have (drafters that keep alternatives at every depth keep N // D per depth)."""
+    most N + 1 entries and a round commits at most D + 1 tokens, and `branching` F, the most children a node may have
+    (drafters that keep alternatives at every depth draw F candidates per depth).
+
+    Without F, F = N // D and every candidate is verified. With N < D F, the drafter draws D F candidates and keeps
+    the N with the highest cumulative draft probability (EAGLE-2's rule, `select_by_probability`), so the tree's
+    shape follows the drafter's confidence from round to round inside the same static shapes."""
 
     nodes: int
     depth: int
+    branching: int = 0  # 0: N // D
 
     def __post_init__(self):
-        for name in ("nodes", "depth"):
+        for name in ("nodes", "depth", "branching"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "branching" else 1):
                 raise ValueError(f"tree {name} must be an integer >= 1, got {value!r}.")
-        if self.nodes % self.depth:
-            raise ValueError(f"tree=({self.nodes}, {self.depth}): the node budget must be a multiple of the depth "
-                             f"(N = depth x branching), e.g. ({self.depth * max(1, self.nodes // self.depth)}, "
-                             f"{self.depth}).")
+        if not self.branching:
+            if self.nodes % self.depth:
+                raise ValueError(f"tree=({self.nodes}, {self.depth}): the node budget must be a multiple of the depth "
+                                 f"(N = depth x branching), e.g. ({self.depth * max(1, self.nodes // self.depth)}, "
+                                 f"{self.depth}), or name the branching: ({self.nodes}, {self.depth}, F).")
+            object.__setattr__(self, "branching", self.nodes // self.depth)
+        if not self.depth <= self.nodes <= self.depth * self.branching:
+            raise ValueError(f"tree=({self.nodes}, {self.depth}, {self.branching}): the node budget must hold the "
+                             f"chain and at most every candidate: {self.depth} <= N <= "
+                             f"{self.depth * self.branching} (depth x branching).")
 
     @property
-    def branching(self) -> int:
-        return self.nodes // self.depth
+    def selects(self) -> bool:
+        """Whether the drafter draws more candidates than the budget holds and keeps the most probable."""
+        return self.nodes < self.depth * self.branching
+
+    def entries(self, depth: int) -> int:
+        """The verify block's entries for a tree `depth` deep: the root and F per depth, within the budget."""
+        return min(self.branching * depth, self.nodes) + 1
 
     @staticmethod
     def parse(value) -> "TreeShape":
-        """`tree=` as generate() and the CLI take it: "N,D", (N, D) or a TreeShape."""
+        """`tree=` as generate() and the CLI take it: "N,D" or "N,D,F", a pair or triple, or a TreeShape."""
         if isinstance(value, TreeShape):
             return value
         if isinstance(value, str):
             try:
-                nodes, depth = (int(part) for part in value.split(","))
+                parts = tuple(int(part) for part in value.split(","))
             except ValueError:
-                raise ValueError(f"tree must be 'N,D' (node budget, depth), e.g. '12,4'; got {value!r}.") from None
-            return TreeShape(nodes, depth)
-        if isinstance(value, (tuple, list)) and len(value) == 2:
+                parts = ()
+            if len(parts) not in (2, 3):
+                raise ValueError(f"tree must be 'N,D' or 'N,D,F' (node budget, depth, branching), e.g. '12,4'; "
+                                 f"got {value!r}.")
+            return TreeShape(*parts)
+        if isinstance(value, (tuple, list)) and len(value) in (2, 3):
             return TreeShape(*value)
-        raise ValueError(f"tree must be (N, D): a node budget and a depth, e.g. (12, 4); got {value!r}.")
+        raise ValueError(f"tree must be (N, D) or (N, D, F): a node budget, a depth and optionally a branching, "
+                         f"e.g. (12, 4); got {value!r}.")
 
 
 @jax.tree_util.register_dataclass
@@ -135,12 +155,16 @@ def chain(tokens: jax.Array, count: jax.Array, probs: jax.Array | None = None) -
 
 
 def sibling_tree(tokens: jax.Array, depth: jax.Array, probs: jax.Array | None = None,
-                 branching: jax.Array | None = None) -> DraftTree:
+                 branching: jax.Array | None = None, weights: jax.Array | None = None,
+                 nodes: int | None = None) -> DraftTree:
     """A chain with alternatives at every depth, from a drafter that drafts one chain and keeps F candidates per
     step: tokens [B, D, F] (candidate 0 is the chain's token, the parent of every candidate one depth down), depth
     [B] the depths the row drafts, probs [B, D, F, V] each candidate's law or None. Node d * F + j is candidate j at
     depth d + 1, so the row's nodes come first and a branching-1 tree is the chain. `branching` ([], at most F;
-    None: F): the candidates kept per depth this round (the adaptive schedule's choice; 1 drafts the chain alone)."""
+    None: F): the candidates kept per depth this round (the adaptive schedule's choice; 1 drafts the chain alone).
+
+    `nodes` (a budget below D F) with `weights` [B, D, F + 1] (`candidate_weights` of each depth): the `nodes`
+    candidates with the highest cumulative probability (`select_by_probability`), as N nodes."""
     batch, max_depth, width = tokens.shape
     index = jnp.arange(max_depth * width)
     level, rank = index // width, index % width
@@ -149,9 +173,51 @@ def sibling_tree(tokens: jax.Array, depth: jax.Array, probs: jax.Array | None = 
     tree = DraftTree(tokens=flat(tokens), parents=jnp.broadcast_to(parents, (batch, index.size)).astype(jnp.int32),
                      ranks=jnp.broadcast_to(rank, (batch, index.size)).astype(jnp.int32),
                      count=(depth * width).astype(jnp.int32), probs=None if probs is None else flat(probs))
-    if branching is None or width == 1:
+    selecting = nodes is not None and nodes < max_depth * width
+    if (branching is None or width == 1) and not selecting:
         return tree
-    return packed(tree, (level[None, :] < depth[:, None]) & (rank[None, :] < branching))
+    keep = level[None, :] < depth[:, None]
+    if branching is not None:
+        keep &= rank[None, :] < branching
+    if selecting:
+        keep &= select_by_probability(weights, keep.reshape(batch, max_depth, width), nodes).reshape(batch, -1)
+        return packed(tree, keep).truncated(nodes)
+    return packed(tree, keep)
+
+
+def candidate_weights(law: jax.Array, chain_token: jax.Array, width: int) -> jax.Array:
+    """What `select_by_probability` ranks a depth's candidates by, from the law [B, V] the chain's token [B] was drawn
+    from -> [B, F + 1]: the chain token's probability, then the law's F largest probabilities in order."""
+    chain_p = law[jnp.arange(law.shape[0]), chain_token]
+    return jnp.concatenate([chain_p[:, None], jax.lax.top_k(law, width)[0]], axis=1)
+
+
+def select_by_probability(weights: jax.Array, valid: jax.Array, nodes: int) -> jax.Array:
+    """EAGLE-2's rule inside static shapes: of the valid candidates [B, D, F] of a chain with alternatives, keep the
+    `nodes` whose paths are most probable under the drafter -> [B, D, F] bool.
+
+    Candidate j at depth d scores P_(d-1) p_j(d): P_(d-1) the product of the chain's draft probabilities above it
+    (its path is the chain's to depth d - 1), p_j(d) the j-th largest probability of depth d's law (`weights`).
+    Greedy drafts the law's best tokens, so p_j(d) is candidate j's own probability and this is EAGLE-2's cumulative
+    draft probability. Sampling keeps the same function of the laws, never of the alternatives drawn: what decides
+    whether the alternatives at depth d are kept is the chain (at d and below) and the laws, and the alternatives
+    are drawn afresh given the chain's token at d, so each kept one is still a draw from the law it is verified with,
+    and the kept ones are the first siblings in draw order (p_j(d) falls with j): recursive rejection sampling stays
+    exact (jaxspec/tree.py's proof, the siblings' count now depending on the chain). A score never exceeds its
+    parent's (every factor is at most 1), and ties go to the earlier node, so the kept nodes are a tree."""
+    batch, depth, width = valid.shape
+    chain_p, ranked = weights[..., 0], weights[..., 1:]  # [B, D], [B, D, F]
+    above = jnp.cumprod(jnp.concatenate([jnp.ones((batch, 1), chain_p.dtype), chain_p[:, :-1]], axis=1), axis=1)
+    score = jnp.where(valid, above[:, :, None] * ranked, -1.0).reshape(batch, depth * width)  # [B, N']
+    order = jnp.arange(depth * width)
+    # Node i loses to node j when j scores higher, or the same and comes first; the best `nodes` lose to fewer.
+    beats = (score[:, None, :] > score[:, :, None]) | ((score[:, None, :] == score[:, :, None])
+                                                        & (order[None, :] < order[:, None])[None])  # [B, i, j]
+    keep = (jnp.sum(beats, axis=2) < nodes).reshape(batch, depth, width) & valid
+    # A candidate's parent is the chain's node one depth up: keep none below a dropped one (round-off guard).
+    chain_kept = jnp.cumprod(keep[:, :, 0], axis=1).astype(bool)  # [B, D]
+    parent_kept = jnp.concatenate([jnp.ones((batch, 1), bool), chain_kept[:, :-1]], axis=1)
+    return keep & parent_kept[:, :, None]
 
 
 def packed(tree: DraftTree, keep: jax.Array) -> DraftTree:

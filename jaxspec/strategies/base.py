@@ -227,13 +227,13 @@ class Drafter:
     @property
     def verify_widths(self) -> tuple[int, ...]:
         """The static widths of the loop's verify blocks: 1, the powers of two below K + 1, and K + 1 for a chain
-        (`schedule.verify_widths`); for a tree, also the blocks of those depths with N/D entries per depth, so that
-        the schedule's price of a depth, chain or tree, is the block the loop runs for it."""
+        (`schedule.verify_widths`); for a tree, also the blocks of those depths with F entries per depth (N at most),
+        so that the schedule's price of a depth, chain or tree, is the block the loop runs for it."""
         widths = verify_widths(self.max_draft)
         if self.tree is None:
             return widths
         # A round may verify the chain alone (the adaptive schedule's choice), or the tree.
-        return tuple(sorted(set(widths) | {self.tree.branching * (w - 1) + 1 for w in widths}))
+        return tuple(sorted(set(widths) | {self.tree.entries(w - 1) for w in widths}))
 
     @property
     def draft_slots(self) -> int:

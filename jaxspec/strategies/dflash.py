@@ -31,11 +31,11 @@ import numpy as np
 
 from ..costs import weight_bytes
 from ..schedule import DraftLength, Schedule, make_schedule
-from ..tree import draw_candidates, sibling_tree
+from ..tree import candidate_weights, draw_candidates, sibling_tree
 from .base import Context, DecodeState, Draft, Drafter, DraftStep, PrefillChunk, RoundResult, room_for_drafts
 from .spec import (ASSISTANT_ENSEMBLE_WEIGHT, ASSISTANT_MODEL, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE,
                    TREE, BuildRequest, Option, Strategy, StrategyChoice, check_positive_int, schedule_kind,
-                   tree_shape)
+                   tree_pricing, tree_shape)
 
 
 @jax.tree_util.register_dataclass
@@ -71,27 +71,30 @@ class BlockDrafter(Drafter):
         limit = jnp.minimum(self.schedule.allowed(state.length, ~loop.done), room_for_drafts(loop))  # [B]
 
         branches = 1 if self.tree is None else self.tree.branching  # candidates kept per block position
+        selects = self.tree is not None and self.tree.selects  # the tree keeps its N most probable candidates
 
         def run(_):
-            return self._draft_block(ctx, loop, state.cache, rng, branches), jnp.ones((), jnp.int32)
+            return self._draft_block(ctx, loop, state.cache, rng, branches, selects), jnp.ones((), jnp.int32)
 
         def skip(_):
             batch, vocab = loop.lengths.shape[0], ctx.target.cfg.vocab_size
             probs = jnp.zeros((batch, self.max_draft, branches, vocab), jnp.float32) if self.keep_probs else None
-            return (jnp.zeros((batch, self.max_draft, branches), jnp.int32), probs), jnp.zeros((), jnp.int32)
+            weights = jnp.zeros((batch, self.max_draft, branches + 1), jnp.float32) if selects else None
+            return (jnp.zeros((batch, self.max_draft, branches), jnp.int32), probs, weights), jnp.zeros((), jnp.int32)
 
-        (tokens, probs), forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, None)
+        (tokens, probs, weights), forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, None)
         count = limit.astype(jnp.int32)
         if self.tree is not None:  # the block's drafts with their alternatives at every position, as leaves
-            draft = Draft.of_tree(sibling_tree(tokens, count, probs, self.schedule.branching(state.length, ~loop.done)))
+            branching = self.schedule.branching(state.length, ~loop.done)
+            draft = Draft.of_tree(sibling_tree(tokens, count, probs, branching, weights, self.tree.nodes))
         else:
             draft = Draft(tokens=tokens[:, :, 0], count=count, probs=None if probs is None else probs[:, :, 0])
         return DraftStep(draft=draft, state=state, forwards=forwards, target_cache=loop.cache)
 
-    def _draft_block(self, ctx: Context, loop: DecodeState, cache, rng, branches: int):
+    def _draft_block(self, ctx: Context, loop: DecodeState, cache, rng, branches: int, selects: bool):
         """One drafter forward over its block [last, mask x (W-1)], then drafts 1..K, each drawn from its processed
         distribution, with `branches` - 1 alternatives each (jaxspec.tree.draw_candidates) -> (tokens [B, K, F],
-        their laws [B, K, F, V] or None)."""
+        their laws [B, K, F, V] or None, and with `selects` each position's candidate weights [B, K, F + 1])."""
         drafter, target = ctx.assistant, ctx.target
         k, batch = self.max_draft, loop.lengths.shape[0]
         block = drafter.block_tokens(loop.last_token)  # [B, W]: the whole block, whatever K uses of it (W >= K + 1)
@@ -101,7 +104,7 @@ class BlockDrafter(Drafter):
         head = ctx.head if ctx.head is not None else target.head_matrix()
         logits = drafter.logits(hidden[:, 1:k + 1], head)  # [B, K, V]: entry j drafts the token at position L + j
         rows = jnp.arange(batch)
-        tokens, probs, history = [], [], loop.tokens
+        tokens, probs, weights, history = [], [], [], loop.tokens
         for j in range(k):  # K is static and small; each draft's processing sees the drafts before it
             processed = ctx.process(logits[:, j:j + 1], history, loop.lengths + j, loop.prompt_lengths)[:, 0]
             candidates, laws = draw_candidates(jax.random.fold_in(rng, j), processed, branches, ctx.do_sample,
@@ -109,7 +112,10 @@ class BlockDrafter(Drafter):
             history = history.at[rows, loop.lengths + j].set(candidates[:, 0], mode="drop")
             tokens.append(candidates)
             probs.append(laws)
-        return jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1) if self.keep_probs else None
+            if selects:
+                weights.append(candidate_weights(draft_distribution(processed), candidates[:, 0], branches))
+        return (jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1) if self.keep_probs else None,
+                jnp.stack(weights, axis=1) if selects else None)
 
     def update(self, ctx: Context, state: BlockState, result: RoundResult) -> BlockState:
         """Write the committed tokens' context: slot j of the round sits at lengths - committed - 1 + j."""
@@ -166,7 +172,7 @@ def build(request: BuildRequest) -> StrategyChoice:
             raise ValueError(f"tree depth {tree.depth} exceeds the DFlash drafter's block of {block} drafts.")
         drafts = tree.depth
     schedule = make_schedule(kind, drafts, drafts, draft_cost=0.0, round_cost=block_cost,
-                             entries_per_draft=tree.branching if tree else 1)
+                             **tree_pricing(tree))
     drafter = BlockDrafter(max_draft=drafts, schedule=schedule, keep_probs=request.keep_probs, tree=tree,
                            feature_layers=tuple(sorted(set(cfg.target_layer_ids))),
                            context_layers=tuple(cfg.target_layer_ids), final_layer=target.config.num_layers - 1)

@@ -31,7 +31,7 @@ from .. import inplace
 from ..costs import weight_bytes
 from ..sampling import select
 from ..schedule import DraftLength, Schedule
-from ..tree import candidate_laws, sibling_tree
+from ..tree import candidate_laws, candidate_weights, sibling_tree
 from .base import Context, DecodeState, Draft, Drafter, DraftStep, RoundResult, room_for_drafts
 from .spec import (ASSISTANT_MODEL, ASSISTANT_TOKENIZER, DRAFT_LENGTH_OPTIONS, TREE, BuildRequest, Strategy,
                    StrategyChoice, check_assistant, default_prefill_chunk, draft_length, persist_heuristic_length,
@@ -99,7 +99,7 @@ class AutoregressiveDrafter(Drafter):
         rows = jnp.arange(batch)
 
         def step(state):
-            i, carry, logits, buffer, tokens, probs, active, count, feeds = state
+            i, carry, logits, buffer, tokens, probs, weights, active, count, feeds = state
             processed = ctx.process(logits[:, None], buffer, loop.lengths + i, loop.prompt_lengths)[:, 0]  # [B, V]
             q = jax.nn.softmax(processed, axis=-1)
             key = jax.random.fold_in(rng, i)
@@ -117,13 +117,16 @@ class AutoregressiveDrafter(Drafter):
                 candidates = self._alternatives(key, processed, q, token, doubting, ctx)  # [B, F], token first
             tokens = tokens.at[:, i].set(jnp.where(kept[:, None], candidates, 0))
             buffer = buffer.at[rows, loop.lengths + i].set(token, mode="drop")
-            if probs is not None:
+            if probs is not None or weights is not None:
                 if self.drops_doubted_first:
                     confident_q = jnp.where(q >= ctx.draft_inputs["confidence_threshold"], q, 0.0)
                     confident_q = confident_q / jnp.maximum(jnp.sum(confident_q, axis=-1, keepdims=True),
                                                             jnp.finfo(q.dtype).tiny)
                     q = jnp.where(i == 0, confident_q, q)
+            if probs is not None:
                 probs = probs.at[:, i].set(candidate_laws(q, candidates))
+            if weights is not None:
+                weights = weights.at[:, i].set(candidate_weights(q, token, self.branches))
             count = count + kept
             active = kept & confident & ~ctx.is_eos(token) & (count < limit)
             # Draft i + 1 needs draft i run through the network; skip that when no row drafts again.
@@ -134,19 +137,21 @@ class AutoregressiveDrafter(Drafter):
                 return carry, next_logits
 
             carry, logits = inplace.cond(go_on, feed_draft, lambda carry: (carry, logits), carry)
-            return i + 1, carry, logits, buffer, tokens, probs, active, count, feeds + go_on
+            return i + 1, carry, logits, buffer, tokens, probs, weights, active, count, feeds + go_on
 
         def cond(state):
-            i, active = state[0], state[6]
+            i, active = state[0], state[7]
             return (i < k) & jnp.any(active)
 
         branches = self.branches
         tokens = jnp.zeros((batch, k, branches), jnp.int32)  # [B, K, F]: a chain keeps F = 1 candidate a step
         probs = jnp.zeros((batch, k, branches, first_logits.shape[-1]), jnp.float32) if self.keep_probs else None
-        state = (0, carry, first_logits, loop.tokens, tokens, probs, limit > 0, jnp.zeros_like(limit),
+        # What a tree with a node budget ranks each depth's candidates by (jaxspec.tree.select_by_probability).
+        weights = jnp.zeros((batch, k, branches + 1), jnp.float32) if self.selects else None
+        state = (0, carry, first_logits, loop.tokens, tokens, probs, weights, limit > 0, jnp.zeros_like(limit),
                  jnp.zeros((), jnp.int32))
-        _, carry, _, _, tokens, probs, _, count, feeds = jax.lax.while_loop(cond, step, state)
-        return self._proposal(tokens, count, probs, branching), carry, feeds
+        _, carry, _, _, tokens, probs, weights, _, count, feeds = jax.lax.while_loop(cond, step, state)
+        return self._proposal(tokens, count, probs, branching, weights), carry, feeds
 
     @property
     def branches(self) -> int:
@@ -163,16 +168,23 @@ class AutoregressiveDrafter(Drafter):
         ranked = (law + noise).at[jnp.arange(token.shape[0]), token].set(jnp.inf)  # the chain's token first
         return jax.lax.top_k(ranked, self.branches)[1].astype(jnp.int32)
 
-    def _proposal(self, tokens, count, probs, branching=None) -> Draft:
+    @property
+    def selects(self) -> bool:
+        """Whether the drafter keeps the most probable of its candidates (a tree whose budget is below D F)."""
+        return self.tree is not None and self.tree.selects
+
+    def _proposal(self, tokens, count, probs, branching=None, weights=None) -> Draft:
         """A chain's Draft from [B, K, 1] candidates, or the tree of the chain and its alternatives."""
         if self.tree is not None:
-            return Draft.of_tree(sibling_tree(tokens, count, probs, branching))
+            return Draft.of_tree(sibling_tree(tokens, count, probs, branching, weights, self.tree.nodes))
         return Draft(tokens=tokens[:, :, 0], count=count, probs=None if probs is None else probs[:, :, 0])
 
     def no_draft(self, loop: DecodeState, vocab: int) -> Draft:
         batch, k, branches = loop.lengths.shape[0], self.max_draft, self.branches
         probs = jnp.zeros((batch, k, branches, vocab), jnp.float32) if self.keep_probs else None
-        return self._proposal(jnp.zeros((batch, k, branches), jnp.int32), jnp.zeros((batch,), jnp.int32), probs)
+        weights = jnp.zeros((batch, k, branches + 1), jnp.float32) if self.selects else None
+        return self._proposal(jnp.zeros((batch, k, branches), jnp.int32), jnp.zeros((batch,), jnp.int32), probs,
+                              weights=weights)
 
     def update_length(self, length: DraftLength, result: RoundResult) -> DraftLength:
         if self.drops_doubted_first:

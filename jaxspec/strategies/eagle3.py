@@ -37,7 +37,7 @@ import numpy as np
 from .. import inplace
 from ..models import int8 as I
 from ..schedule import DraftLength, Schedule, make_schedule
-from ..tree import draw_candidates, sibling_tree
+from ..tree import candidate_weights, draw_candidates, sibling_tree
 from .base import (
     Context,
     DecodeState,
@@ -59,6 +59,7 @@ from .spec import (
     StrategyChoice,
     check_positive_int,
     schedule_kind,
+    tree_pricing,
     tree_shape,
 )
 
@@ -113,6 +114,7 @@ class Eagle3Drafter(Drafter):
     def draft(self, ctx: Context, loop: DecodeState, state: Eagle3State, rng: jax.Array) -> DraftStep:
         k, head = self.max_draft, ctx.assistant
         branches = 1 if self.tree is None else self.tree.branching  # candidates kept per depth (a tree's siblings)
+        selects = self.tree is not None and self.tree.selects  # the tree keeps its N most probable candidates
         batch = loop.tokens.shape[0]
         rows = jnp.arange(batch)
         count = jnp.minimum(self.schedule.allowed(state.length, ~loop.done), room_for_drafts(loop))  # [B]
@@ -122,12 +124,15 @@ class Eagle3Drafter(Drafter):
 
         def draw(step: int, outputs, history, step_rng):
             """Draft `step` (0-based, the token at L + step) from an entry's output [B, D] -> (the chain's token [B],
-            the candidates kept [B, F] and their laws [B, F, V] (F = 1 for a chain), the history with the token)."""
+            the candidates kept [B, F], their laws [B, F, V] (F = 1 for a chain) and the step's candidate weights
+            [B, F + 1] (a tree with a node budget; else None), the history with the token)."""
             logits = head.target_logits(outputs)  # [B, V]
             processed = ctx.process(logits[:, None], history, loop.lengths + step, loop.prompt_lengths)[:, 0]
             tokens, q = draw_candidates(step_rng, processed, branches, ctx.do_sample, self.keep_probs,
                                         law=draft_distribution)
-            return tokens[:, 0], (tokens, q), history.at[rows, loop.lengths + step].set(tokens[:, 0], mode="drop")
+            weights = candidate_weights(draft_distribution(processed), tokens[:, 0], branches) if selects else None
+            kept = (tokens, q, weights)
+            return tokens[:, 0], kept, history.at[rows, loop.lengths + step].set(tokens[:, 0], mode="drop")
 
         def run(carry):
             cache, synced, forwards = carry
@@ -149,25 +154,29 @@ class Eagle3Drafter(Drafter):
                     return (cache, prev, token, history), kept
 
                 def stop(chain):
-                    q = jnp.zeros((batch, branches, vocab), jnp.float32) if self.keep_probs else None
-                    return chain, (jnp.zeros((batch, branches), jnp.int32), q)
+                    return chain, jax.tree.map(lambda x: x[:, 0], nothing_drafted())  # one step's zeros
 
                 chain, kept = inplace.cond(jnp.max(count) > step, extend, stop, chain)
                 candidates.append(kept)
             steps = jnp.minimum(jnp.max(count), k) - 1  # width-1 head steps run after the window
-            tokens = jnp.stack([c[0] for c in candidates], axis=1)  # [B, K, F]
-            probs = jnp.stack([c[1] for c in candidates], axis=1) if self.keep_probs else None  # [B, K, F, V]
-            return (chain[0], loop.lengths - 1, forwards + caught_up + 1 + steps), (tokens, probs)
+            # tokens [B, K, F], probs [B, K, F, V] or None, weights [B, K, F + 1] or None
+            drafted = jax.tree.map(lambda *steps: jnp.stack(steps, axis=1), *candidates)
+            return (chain[0], loop.lengths - 1, forwards + caught_up + 1 + steps), drafted
+
+        def nothing_drafted():
+            probs = jnp.zeros((batch, k, branches, vocab), jnp.float32) if self.keep_probs else None
+            weights = jnp.zeros((batch, k, branches + 1), jnp.float32) if selects else None
+            return (jnp.zeros((batch, k, branches), jnp.int32), probs, weights)
 
         def skip(carry):
-            probs = jnp.zeros((batch, k, branches, vocab), jnp.float32) if self.keep_probs else None
-            return carry, (jnp.zeros((batch, k, branches), jnp.int32), probs)
+            return carry, nothing_drafted()
 
         carry = (state.cache, state.synced, jnp.zeros((), jnp.int32))
-        (cache, synced, forwards), (tokens, probs) = inplace.cond(jnp.any(count > 0), run, skip, carry)
+        (cache, synced, forwards), (tokens, probs, weights) = inplace.cond(jnp.any(count > 0), run, skip, carry)
         state = dataclasses.replace(state, cache=cache, synced=synced)
         if self.tree is not None:  # the chain with its alternatives at every depth
-            draft = Draft.of_tree(sibling_tree(tokens, count, probs, self.schedule.branching(state.length, ~loop.done)))
+            branching = self.schedule.branching(state.length, ~loop.done)
+            draft = Draft.of_tree(sibling_tree(tokens, count, probs, branching, weights, self.tree.nodes))
         else:
             draft = Draft(tokens=tokens[:, :, 0], count=count, probs=None if probs is None else probs[:, :, 0])
         return DraftStep(draft=draft, state=state, forwards=forwards, target_cache=loop.cache)
@@ -254,7 +263,7 @@ def build(request: BuildRequest) -> StrategyChoice:
         drafts = tree.depth
     cost = head_draft_cost(head, target)
     schedule = make_schedule(kind, drafts, drafts, draft_cost=cost, round_cost=cost,
-                             entries_per_draft=tree.branching if tree else 1)
+                             **tree_pricing(tree))
     layers = head.config.layer_ids(target.config.num_layers)
     drafter = Eagle3Drafter(max_draft=drafts, schedule=schedule, keep_probs=request.keep_probs, tree=tree,
                             feature_layers=tuple(sorted(layers)), context_layers=tuple(layers))

@@ -13,6 +13,8 @@ Where jaxspec differs from transformers 5.23, on purpose:
 - Keys at or past L-1 are never read. 5.23 slices the full-attention cache to L entries, so after a rejection the
   first rejected draft's entry at L-1 is read, and its sliding window still holds every rejected draft.
 - Batches, with rows of any length (5.23: batch 1).
+- `tree=(N, D)`: the drafter keeps N // D candidates at each step, verified as a tree (jaxspec/tree.py); 5.23 drafts a
+  chain.
 - The draft length follows the shared schedules (adaptive by default); 5.23 always drafts `num_assistant_tokens`,
   which it requires in the assistant's generation_config. Here it comes from the call, else that generation_config,
   else `DEFAULT_NUM_ASSISTANT_TOKENS`. No confidence stop unless `assistant_confidence_threshold` is given.
@@ -29,7 +31,8 @@ from ..costs import weight_bytes
 from ..schedule import DraftLength
 from .base import Context, DecodeState, DraftStep, PrefillChunk, RoundResult
 from .draft_model import AutoregressiveDrafter
-from .spec import ASSISTANT_MODEL, DRAFT_LENGTH_OPTIONS, BuildRequest, Strategy, StrategyChoice, draft_length
+from .spec import (ASSISTANT_MODEL, DRAFT_LENGTH_OPTIONS, TREE, BuildRequest, Strategy, StrategyChoice, draft_length,
+                   tree_schedule, tree_shape)
 
 # 5.23 has no default (it fails without one); the drafter's steps are cheap next to a target forward.
 DEFAULT_NUM_ASSISTANT_TOKENS = 4
@@ -102,8 +105,9 @@ class Gemma4Drafter(AutoregressiveDrafter):
 
         def run(_):
             logits, hidden = step(state.hidden, loop.last_token)
+            branching = None if self.tree is None else self.schedule.branching(state.length, ~loop.done)
             draft, _, feeds = self.draft_loop(ctx, loop, limit, logits, lambda h, token, *_: step(h, token), hidden,
-                                              rng)
+                                              rng, branching)
             return draft, feeds + 1
 
         def skip(_):
@@ -128,8 +132,11 @@ def build(request: BuildRequest) -> StrategyChoice:
     check_pair(request.model, drafter_model)
     cost = weight_bytes(drafter_model.module) / weight_bytes(request.model.module)
     max_draft, schedule, threshold = draft_length(drafter_model, request, cost, DRAFT_DEFAULTS)
+    tree = tree_shape(request, "the Gemma 4 drafter")
+    if tree is not None:  # the drafter drafts a chain as deep as the tree, keeping N // D candidates per step
+        max_draft, schedule = tree.depth, tree_schedule(schedule, tree)
     drafter = Gemma4Drafter(max_draft=max_draft, schedule=schedule, confidence_threshold=threshold,
-                            keep_probs=request.keep_probs)
+                            keep_probs=request.keep_probs, tree=tree)
     return StrategyChoice(MTP_DRAFTER, drafter, drafter_model)
 
 
@@ -139,6 +146,6 @@ MTP_DRAFTER = Strategy(
             "(--assistant PATH)",
     selected_by="assistant_model",
     claims=lambda request: is_gemma4_drafter(request.options["assistant_model"]),
-    options=(ASSISTANT_MODEL, *DRAFT_LENGTH_OPTIONS),
+    options=(ASSISTANT_MODEL, *DRAFT_LENGTH_OPTIONS, TREE),
     build=build,
 )

@@ -35,12 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import inplace
-from ..sampling import select
 from ..costs import mtp_draft_cost
 from ..schedule import DraftLength, Schedule, make_schedule
+from ..tree import candidate_weights, draw_candidates, sibling_tree
 from .base import Context, DecodeState, Draft, Drafter, DraftStep, PrefillChunk, RoundResult, room_for_drafts
-from .spec import (ASSISTANT_ENSEMBLE_WEIGHT, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE, BuildRequest, Option,
-                   Strategy, StrategyChoice, check_positive_int, schedule_kind)
+from .spec import (ASSISTANT_ENSEMBLE_WEIGHT, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE, TREE, BuildRequest,
+                   Option, Strategy, StrategyChoice, check_positive_int, schedule_kind, tree_pricing, tree_shape)
 
 
 CATCH_UP_WIDTH = 16  # positions per block when an idle depth catches its committed entries up
@@ -113,10 +113,12 @@ class MtpDrafter(Drafter):
         else:
             draft_logits = target.logits
         vocab = target.cfg.vocab_size
+        branches = 1 if self.tree is None else self.tree.branching  # candidates kept per depth (a tree's siblings)
+        selects = self.tree is not None and self.tree.selects  # the tree keeps its N most probable candidates
         carry = (state.caches, state.outputs, state.synced, sequence, loop.tokens,
                  _input_states(state.main_hidden, state.outputs, 0, window),  # [B, K+1, D] depth 0's input
                  jnp.zeros((), jnp.int32))
-        drafts, probs = [], []
+        drafted = []  # per depth: (candidates [B, F], their laws [B, F, V] or None, weights [B, F + 1] or None)
         for depth, step_rng in enumerate(jax.random.split(rng, k)):
 
             def run_depth(carry, depth=depth, step_rng=step_rng):
@@ -132,23 +134,30 @@ class MtpDrafter(Drafter):
                 synced = synced.at[depth].set(loop.lengths)  # the window reached L-1: every committed entry
                 logits = draft_logits(out[:, -1])  # [B, V]: predicts position L + depth
                 processed = ctx.process(logits[:, None], buffer, loop.lengths + depth, loop.prompt_lengths)[:, 0]
-                token = select(step_rng, processed, ctx.do_sample)
+                # The chain's token first (a chain: `select`'s draw), then a tree's alternatives.
+                candidates, q = draw_candidates(step_rng, processed, branches, ctx.do_sample, self.keep_probs)
+                token = candidates[:, 0]
+                weights = candidate_weights(jax.nn.softmax(processed), token, branches) if selects else None
                 sequence = sequence.at[:, k + 1 + depth].set(token)
                 buffer = buffer.at[rows, loop.lengths + depth].set(token, mode="drop")
-                q = jax.nn.softmax(processed, axis=-1) if self.keep_probs else None
                 # depth+1's entry at i reads depth's output at i-1: the same window, shifted by one
-                return (caches, outputs, synced, sequence, buffer, out, forwards + 1 + caught_up), (token, q)
+                return (caches, outputs, synced, sequence, buffer, out, forwards + 1 + caught_up), (candidates, q,
+                                                                                                   weights)
 
             def skip_depth(carry):
-                q = jnp.zeros((batch, vocab), jnp.float32) if self.keep_probs else None
-                return carry, (jnp.zeros((batch,), jnp.int32), q)
+                q = jnp.zeros((batch, branches, vocab), jnp.float32) if self.keep_probs else None
+                weights = jnp.zeros((batch, branches + 1), jnp.float32) if selects else None
+                return carry, (jnp.zeros((batch, branches), jnp.int32), q, weights)
 
-            carry, (token, q) = inplace.cond(depths_needed > depth, run_depth, skip_depth, carry)
-            drafts.append(token)
-            probs.append(q)
+            carry, candidates = inplace.cond(depths_needed > depth, run_depth, skip_depth, carry)
+            drafted.append(candidates)
         caches, outputs, synced, *_, forwards = carry
-        draft = Draft(tokens=jnp.stack(drafts, axis=1), count=count,
-                      probs=jnp.stack(probs, axis=1) if self.keep_probs else None)
+        tokens, probs, weights = jax.tree.map(lambda *depths: jnp.stack(depths, axis=1), *drafted)  # [B, K, F, ..]
+        if self.tree is not None:  # the chain with its alternatives at every depth
+            branching = self.schedule.branching(state.length, ~loop.done)
+            draft = Draft.of_tree(sibling_tree(tokens, count, probs, branching, weights, self.tree.nodes))
+        else:
+            draft = Draft(tokens=tokens[:, :, 0], count=count, probs=None if probs is None else probs[:, :, 0])
         state = dataclasses.replace(state, caches=caches, outputs=outputs, synced=synced)
         return DraftStep(draft=draft, state=state, forwards=forwards, target_cache=loop.cache)
 
@@ -231,15 +240,18 @@ def build(request: BuildRequest) -> StrategyChoice:
     check_positive_int("num_assistant_tokens", drafts)
     kind = schedule_kind(request.options.get("num_assistant_tokens_schedule") or "adaptive", ("adaptive", "constant"),
                          "use_mtp")
-    schedule = make_schedule(kind, int(drafts), int(drafts), draft_cost=mtp_draft_cost(model))
+    tree = tree_shape(request, "use_mtp")
+    if tree is not None:  # the layers draft a chain as deep as the tree and keep N // D candidates at each depth
+        drafts = tree.depth
+    schedule = make_schedule(kind, int(drafts), int(drafts), draft_cost=mtp_draft_cost(model), **tree_pricing(tree))
     return StrategyChoice(MTP, MtpDrafter(max_draft=int(drafts), num_layers=layers, keep_probs=request.keep_probs,
-                                          schedule=schedule))
+                                          schedule=schedule, tree=tree))
 
 
 MTP = Strategy(
     name="mtp",
     summary="the checkpoint's own multi-token-prediction layers draft (DeepSeek-V3, GLM-4.5, trained sets)",
     selected_by="use_mtp",
-    options=(USE_MTP, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE, ASSISTANT_ENSEMBLE_WEIGHT),
+    options=(USE_MTP, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE, ASSISTANT_ENSEMBLE_WEIGHT, TREE),
     build=build,
 )

@@ -32,7 +32,7 @@ from ..schedule import DraftLength, Schedule, make_schedule
 from ..tree import ROOT, DraftTree
 from .base import Context, DecodeState, Draft, Drafter, DraftStep, RoundResult, room_for_drafts
 from .spec import (NUM_ASSISTANT_TOKENS_SCHEDULE, TREE, BuildRequest, Option, Strategy, StrategyChoice,
-                   check_positive_int, schedule_kind, tree_shape)
+                   check_positive_int, schedule_kind, tree_pricing, tree_shape)
 
 
 def find_continuation(tokens: jax.Array, length: jax.Array, max_ngram: int,
@@ -148,6 +148,8 @@ class PromptLookupDrafter(Drafter):
         lengths = jnp.where(jnp.arange(branches)[None, :] < self.schedule.branching(state, ~loop.done), lengths, 0)
         allowed = jnp.minimum(self.schedule.allowed(state, ~loop.done), room_for_drafts(loop))  # [B] depth
         tree = continuation_trie(candidates, jnp.minimum(lengths, allowed[:, None]).astype(jnp.int32))
+        if self.tree.selects:  # a budget below F D keeps the nodes of the best-ranked matches (a prefix is a tree)
+            tree = tree.truncated(self.tree.nodes)
         return DraftStep(draft=Draft.of_tree(tree), state=state, forwards=jnp.zeros((), jnp.int32),
                          target_cache=loop.cache)
 
@@ -179,7 +181,7 @@ def build(request: BuildRequest) -> StrategyChoice:
         k = tree.depth
     drafter = PromptLookupDrafter(max_draft=k, max_ngram=ngram, min_ngram=shortest, tree=tree,
                                   schedule=make_schedule(kind, k, k, draft_cost=0.0,
-                                                         entries_per_draft=tree.branching if tree else 1))
+                                                         **tree_pricing(tree)))
     return StrategyChoice(PROMPT_LOOKUP, drafter)
 
 

@@ -91,8 +91,8 @@ class Strategy:
         return frozenset(option.name for option in self.options)
 
 
-TREE = Option("tree", "draft a tree of N nodes at most D deep, verified in one forward ('N,D'; default: a chain)",
-              type=str)
+TREE = Option("tree", "draft a tree of N nodes at most D deep, verified in one forward ('N,D', or 'N,D,F': F "
+              "candidates a depth, the N most probable kept; default: a chain)", type=str)
 
 
 def tree_shape(request: BuildRequest, where: str) -> TreeShape | None:
@@ -111,14 +111,21 @@ def tree_shape(request: BuildRequest, where: str) -> TreeShape | None:
     return shape
 
 
+def tree_pricing(tree: TreeShape | None) -> dict:
+    """`make_schedule`'s arguments for how a tree's depths fill its verify block: F entries per depth, N at most (the
+    adaptive schedule prices a depth-d tree as a block of min(F d, N) + 1 entries); none for a chain."""
+    if tree is None:
+        return {}
+    return {"entries_per_draft": tree.branching, "node_budget": tree.nodes if tree.selects else 0}
+
+
 def tree_schedule(schedule: Schedule, tree: TreeShape) -> Schedule:
-    """A drafter's schedule for drafting trees: its drafts are depths, at most the tree's, each verifying the tree's
-    branching in entries (the adaptive schedule prices a depth-d tree as a block of F d + 1 entries)."""
+    """A drafter's schedule for drafting trees: its drafts are depths, at most the tree's (`tree_pricing`)."""
     initial = min(schedule.initial, tree.depth)
     if schedule.kind != "adaptive":  # every round drafts the whole tree
-        return dataclasses.replace(schedule, initial=initial, entries_per_draft=tree.branching)
+        return dataclasses.replace(schedule, initial=initial, **tree_pricing(tree))
     return make_schedule(schedule.kind, initial, tree.depth, schedule.draft_cost, schedule.round_cost,
-                         entries_per_draft=tree.branching)
+                         **tree_pricing(tree))
 
 
 # ------------------------------------------------------------------------------------------------------------------

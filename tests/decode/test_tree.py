@@ -126,3 +126,91 @@ def test_recursive_rejection_sampling_is_exact_and_both_controls_are_caught(monk
     monkeypatch.setattr(tree_lib, "_residual", lambda law, q: law)  # the residual not updated after a rejection
     stale, exact, _ = _joint_of_two_tokens(3)
     assert oracles.goodness_of_fit(stale, exact) < 1e-6
+
+
+def test_tree_shapes_name_their_budget_depth_and_branching():
+    assert tree_lib.TreeShape.parse("12,4") == tree_lib.TreeShape(12, 4, 3)
+    shape = tree_lib.TreeShape.parse((8, 4, 3))
+    assert shape.selects and shape.entries(1) == 4 and shape.entries(4) == 9  # min(F d, N) + 1
+    assert not tree_lib.TreeShape(12, 4).selects
+    with pytest.raises(ValueError, match="multiple of the depth"):
+        tree_lib.TreeShape.parse("10,4")
+    with pytest.raises(ValueError, match=r"4 <= N <= 12"):
+        tree_lib.TreeShape.parse("13,4,3")
+    with pytest.raises(ValueError, match="N,D,F"):
+        tree_lib.TreeShape.parse("1,2,3,4")
+
+
+def _cumulative_best(weights: np.ndarray, valid: np.ndarray, nodes: int) -> set[tuple[int, int]]:
+    """EAGLE-2's rule by brute force: each candidate's path probability (the chain's draft probabilities above it,
+    times its own rank's probability), the `nodes` best kept, ties to the earlier node."""
+    depth, width = valid.shape
+    scored = []
+    for d in range(depth):
+        for j in range(width):
+            if valid[d, j]:
+                scored.append((-np.prod(weights[:d, 0]) * weights[d, 1 + j], d * width + j, (d, j)))
+    return {cell for _, _, cell in sorted(scored)[:nodes]}
+
+
+def test_selection_keeps_the_most_probable_paths_as_a_tree():
+    rng = np.random.default_rng(0)
+    batch, depth, width, nodes = 64, 4, 3, 7
+    ranked = -np.sort(-rng.dirichlet(np.full(10, 0.3), size=(batch, depth)), axis=-1)[..., :width]  # [B, D, F]
+    greedy = np.concatenate([ranked[..., :1], ranked], axis=-1)  # the chain's token is the law's best
+    sampled = np.concatenate([ranked[..., :1] * rng.uniform(0.2, 1.0, (batch, depth, 1)), ranked], axis=-1)
+    valid = np.arange(depth)[None, :, None] < rng.integers(1, depth + 1, batch)[:, None, None]
+    valid = np.broadcast_to(valid, (batch, depth, width))
+    for weights in (greedy, sampled):
+        keep = np.asarray(tree_lib.select_by_probability(jnp.asarray(weights, jnp.float32), jnp.asarray(valid),
+                                                         nodes))
+        for b in range(batch):
+            assert {tuple(cell) for cell in np.argwhere(keep[b])} == _cumulative_best(weights[b], valid[b], nodes)
+            chain = keep[b, :, 0]
+            assert np.all(chain[:-1] >= chain[1:])  # the chain is kept from the top
+            assert np.all(keep[b, 1:].any(axis=1) <= chain[:-1])  # every kept candidate's parent is kept
+            assert np.all(keep[b, :, :-1] >= keep[b, :, 1:])  # a depth keeps its first siblings in draw order
+    assert keep[:, :, 1:].any() and (~keep & valid).any()  # alternatives are kept, and some dropped
+
+
+def _joint_of_a_selected_tree(seed, *, own_probability=False):
+    """Depth 2, two candidates a depth, a budget of 3 nodes: the chain's two tokens and one alternative, at depth 1 or
+    2 by `select_by_probability` (which of them depends on the chain's first token). -> as `_joint_of_two_tokens`.
+    `own_probability`: rank each alternative by its own drawn token's probability, EAGLE-2's rule applied to sampled
+    candidates, which keeps an alternative because of what was drawn."""
+    p_root, p_next, _, q_next = _laws(seed)
+    q_root = np.array([6.0, 1.0, 0.6, 0.5, 0.4, 0.3]) / 8.8  # peaked: after its best token depth 2 is worth more
+    rng = np.random.default_rng(seed + 1)
+    top, top_q = _siblings(rng, np.broadcast_to(q_root, (ROWS, V)), ROWS, False)
+    below_law = q_next[top[:, 0]]
+    below, below_q = _siblings(rng, below_law, ROWS, False)
+    rows = np.arange(ROWS)
+
+    def weights(law, drawn):  # [ROWS, F + 1]: the chain token's probability, then the ranked ones
+        if own_probability:
+            return np.stack([law[rows, drawn[:, 0]], law[rows, drawn[:, 0]], law[rows, drawn[:, 1]]], 1)
+        return np.concatenate([law[rows, drawn[:, 0]][:, None], -np.sort(-law, axis=1)[:, :2]], 1)
+
+    tree = tree_lib.sibling_tree(jnp.asarray(np.stack([top, below], 1), jnp.int32), jnp.full((ROWS,), 2),
+                                 jnp.asarray(np.stack([top_q, below_q], 1), jnp.float32),
+                                 weights=jnp.asarray(np.stack([weights(np.broadcast_to(q_root, (ROWS, V)), top),
+                                                               weights(below_law, below)], 1), jnp.float32),
+                                 nodes=3)
+    laws = np.broadcast_to(p_root, (ROWS, 4, V)).copy()  # entry 0: after the root; entry i + 1: after node i
+    laws[:, 1:] = p_next[np.asarray(tree.tokens)]
+    verdict = tree_lib.verify_tree(jax.random.PRNGKey(seed), jnp.log(jnp.asarray(laws, jnp.float32)), tree, depth=2,
+                                   branching=2, do_sample=True)
+    committed = np.asarray(verdict.tokens)
+    first = committed[:, 0]
+    next_round = (rng.random(ROWS)[:, None] > np.cumsum(p_next[first], axis=1)).sum(axis=1).clip(max=V - 1)
+    second = np.where(np.asarray(verdict.accepted) >= 1, committed[:, 1], next_round)
+    depth_one_alternative = np.asarray(tree.ranks)[:, 1] == 1  # node 1 is the root's second child
+    return first * V + second, (p_root[:, None] * p_next).reshape(-1), depth_one_alternative
+
+
+def test_selected_trees_sample_exactly_and_ranking_by_the_drawn_token_is_caught():
+    joint, exact, at_depth_one = _joint_of_a_selected_tree(5)
+    assert 0.1 < np.mean(at_depth_one) < 0.9  # the budget goes to either depth, by the chain's first token
+    assert oracles.goodness_of_fit(joint, exact) > 1e-3
+    biased, exact, _ = _joint_of_a_selected_tree(5, own_probability=True)
+    assert oracles.goodness_of_fit(biased, exact) < 1e-6

@@ -158,6 +158,19 @@ def test_greedy_equals_plain_greedy_and_transformers_assisted_run(pair):
         np.testing.assert_array_equal(out.sequences[row, ids.shape[1]: ids.shape[1] + len(assisted)], assisted)
 
 
+@pytest.mark.slow  # ~40 s: two tree loops of the Gemma 4 pair
+@pytest.mark.parametrize("tree", [(2 * K, K), (K + 2, K, 3)])
+def test_greedy_trees_equal_plain_greedy(pair, tree):
+    """The drafter keeps alternatives at every step (with a budget: the most probable), verified as a tree by the
+    Gemma 4 target (shared keys and values, per-layer inputs, sliding windows); ragged rows."""
+    ids, mask = left_padded(PROMPTS)
+    plain = jaxspec.generate(pair.target, ids, mask, max_new_tokens=20)
+    out = jaxspec.generate(pair.target, ids, mask, max_new_tokens=20, assistant_model=pair.drafter, tree=tree,
+                           num_assistant_tokens_schedule="constant")
+    np.testing.assert_array_equal(out.sequences, plain.sequences)
+    assert out.tree_rounds > 0 and out.accepted.sum() > 0
+
+
 def test_cli_strategy_mtp_drafter_runs_the_drafter(pair, tiny_llama_dir, capsys):
     """`--strategy mtp_drafter --assistant FOLDER` passes the drafter as assistant_model (`--strategy mtp` means the
     checkpoint's own MTP layers and takes no --assistant); an assistant that is no Gemma 4 drafter is refused before

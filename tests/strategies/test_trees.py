@@ -86,18 +86,20 @@ def test_a_branching_one_tree_is_the_chain_round_for_round(target, head, case):
 
 @pytest.mark.slow  # 20-25 s a case; the default suite runs the branching-1 and second-sibling tests through the loop
 @pytest.mark.parametrize("case", ["lookup-constant", "assistant-constant", "lookup-adaptive", "assistant-adaptive",
-                                  "eagle3-constant", "eagle3-adaptive", "dflash-constant", "dflash-adaptive"])
+                                  "eagle3-constant", "eagle3-adaptive", "dflash-constant", "dflash-adaptive",
+                                  "lookup-budget", "assistant-budget", "eagle3-budget", "dflash-budget"])
 def test_greedy_trees_equal_plain_greedy_and_rows_alone(target, head, dflash_drafter, tiny_llama_draft_dir, case):
     """An assistant's rounds often commit an alternative, after which its cache must keep only the chain's drafts
     before it (RoundResult.on_chain): a wrong entry kept would change its later drafts, not the output, so the test
-    of that is the next one."""
+    of that is the next one. "budget": 3 candidates a depth, the 5 most probable of 9 kept (constant schedule)."""
     drafter, schedule = case.split("-")
     strategy = {"lookup": dict(prompt_lookup_num_tokens=4), "eagle3": dict(assistant_model=head),
                 "assistant": dict(assistant_model=jaxspec.load(tiny_llama_draft_dir),
                                   assistant_confidence_threshold=0.0),  # the weak assistant doubts every draft
                 "dflash": dict(assistant_model=dflash_drafter)}[drafter]
     plain = jaxspec.generate(target, REPETITIVE, max_new_tokens=N, eos_token_id=[])
-    kwargs = dict(max_new_tokens=N, tree=(6, 3), num_assistant_tokens_schedule=schedule, eos_token_id=[], **strategy)
+    tree, schedule = ((5, 3, 3), "constant") if schedule == "budget" else ((6, 3), schedule)
+    kwargs = dict(max_new_tokens=N, tree=tree, num_assistant_tokens_schedule=schedule, eos_token_id=[], **strategy)
     out = jaxspec.generate(target, REPETITIVE, **kwargs)
     np.testing.assert_array_equal(out.sequences, plain.sequences)
     assert out.drafted.sum() > 0
@@ -186,15 +188,8 @@ def test_the_second_sibling_is_committed_and_its_path_cached_like_a_chain(target
     """Every round accepts all D depths through second siblings, and the output is plain greedy's (with the
     history-dependent processors, each node judged with its own path)."""
     depth, prompts = 3, REPETITIVE
-    plain = jaxspec.generate(target, prompts, max_new_tokens=N, eos_token_id=[], **processors)
-    future = np.zeros((len(prompts), 64), np.int32)
-    for row, prompt in enumerate(prompts):
-        sequence = [*prompt, *plain.new_tokens(row).tolist()]
-        future[row, :len(sequence)] = sequence
-    drafter = SecondSiblingDrafter(max_draft=depth, tree=TreeShape(2 * depth, depth), future=future,
-                                   schedule=make_schedule("constant", depth, depth, draft_cost=0.0))
-    settings = settings_lib.resolve(target, max_new_tokens=N, eos_token_id=[], **processors)
-    out = jaxspec.generate_with_drafter(target, prompts, None, drafter, settings)
+    plain, future = _plain_future(target, prompts, **processors)
+    out = _second_siblings(target, prompts, future, depth, **processors)
     np.testing.assert_array_equal(out.sequences, plain.sequences)
     # (N - 1) / (D + 1) rounds commit D + 1 tokens each; the last round drafts only what the budget leaves
     assert out.accepted_hist[:, depth].min() == (N - 1) // (depth + 1)
@@ -202,13 +197,70 @@ def test_the_second_sibling_is_committed_and_its_path_cached_like_a_chain(target
     assert out.tree_rounds == out.rounds  # each round verified alternatives
 
 
+def _plain_future(target, prompts, **processors):
+    """Plain greedy decoding of `prompts` and each row's whole sequence, as SecondSiblingDrafter's `future`."""
+    plain = jaxspec.generate(target, prompts, max_new_tokens=N, eos_token_id=[], **processors)
+    future = np.zeros((len(prompts), 64), np.int32)
+    for row, prompt in enumerate(prompts):
+        sequence = [*prompt, *plain.new_tokens(row).tolist()]
+        future[row, :len(sequence)] = sequence
+    return plain, future
+
+
+def _second_siblings(target, prompts, future, depth, **processors):
+    drafter = SecondSiblingDrafter(max_draft=depth, tree=TreeShape(2 * depth, depth), future=future,
+                                   schedule=make_schedule("constant", depth, depth, draft_cost=0.0))
+    settings = settings_lib.resolve(target, max_new_tokens=N, eos_token_id=[], **processors)
+    return jaxspec.generate_with_drafter(target, prompts, None, drafter, settings)
+
+
+@pytest.mark.slow  # 16-22 s a family
+@pytest.mark.parametrize("family", ["gemma2", "gemma4_text"])
+def test_gemma_trees_commit_second_siblings_and_cache_them_like_a_chain(family, tmp_path):
+    """Gemma's tree attention: a sliding window of 4 keys (by rope position, shorter than a tree round's reach),
+    Gemma 2's soft-capped scores, Gemma 4's layers that read another layer's keys and its per-layer inputs; each
+    round commits its D depths through second siblings, and the output is plain greedy's."""
+    gemma = jaxspec.load(hf_models.save_tiny_gemma(family, tmp_path, seed=0))
+    depth = 3
+    plain, future = _plain_future(gemma, REPETITIVE)
+    out = _second_siblings(gemma, REPETITIVE, future, depth)
+    np.testing.assert_array_equal(out.sequences, plain.sequences)
+    assert out.accepted_hist[:, depth].min() == (N - 1) // (depth + 1)
+
+
+@pytest.mark.slow  # ~30 s: the MTP layers' loop compiles for the chain and for two trees
+def test_mtp_trees_equal_the_chain_and_plain_greedy(tmp_path):
+    """MTP layers keep N // D candidates per depth (and with a budget, the N most probable): a branching-1 tree
+    drafts the chain round for round, and trees reproduce plain greedy, rows alone too."""
+    from tests.train.test_train_mtp import save_llama_with_mtp
+
+    folder, _ = save_llama_with_mtp(tmp_path / "mtp", layers=2, mtp_layers=2)
+    model = jaxspec.load(folder)
+    kwargs = dict(max_new_tokens=N, use_mtp=True, **CONSTANT)
+    plain = jaxspec.generate(model, REPETITIVE, max_new_tokens=N, eos_token_id=[])
+    chain = jaxspec.generate(model, REPETITIVE, num_assistant_tokens=3, **kwargs)
+    single = jaxspec.generate(model, REPETITIVE, tree=(3, 3), **kwargs)
+    np.testing.assert_array_equal(single.sequences, chain.sequences)
+    np.testing.assert_array_equal(single.accepted_hist, chain.accepted_hist)
+    for tree in [(6, 3), (5, 3, 3)]:
+        out = jaxspec.generate(model, REPETITIVE, tree=tree, **kwargs)
+        np.testing.assert_array_equal(out.sequences, plain.sequences)
+        assert out.tree_rounds > 0
+        alone = jaxspec.generate(model, REPETITIVE[1:2], tree=tree, **kwargs)
+        np.testing.assert_array_equal(alone.new_tokens(0), out.new_tokens(1))
+
+
 def test_tree_mistakes_are_named_before_compiling(target, tmp_path):
     with pytest.raises(ValueError, match="multiple of the depth"):
         jaxspec.generate(target, REPETITIVE, max_new_tokens=4, prompt_lookup_num_tokens=4, tree=(10, 4))
+    with pytest.raises(ValueError, match=r"4 <= N <= 8"):
+        jaxspec.generate(target, REPETITIVE, max_new_tokens=4, prompt_lookup_num_tokens=4, tree=(9, 4, 2))
     with pytest.raises(ValueError, match="N,D"):
         jaxspec.generate(target, REPETITIVE, max_new_tokens=4, prompt_lookup_num_tokens=4, tree="12x4")
     with pytest.raises(ValueError, match="tree"):
-        jaxspec.generate(target, REPETITIVE, max_new_tokens=4, use_mtp=True, tree=(12, 4))
-    gemma = jaxspec.load(hf_models.save_tiny("gemma3_text", tmp_path, seed=0))
+        jaxspec.generate(target, REPETITIVE, max_new_tokens=4, assistant_early_exit=1, tree=(12, 4))
+    from tests.fixtures.moe import FAMILIES, save_checkpoint
+
+    moe = jaxspec.load(save_checkpoint("deepseek_v3", tmp_path / "moe", 2, 1, FAMILIES["deepseek_v3"]))
     with pytest.raises(NotImplementedError, match="tree attention"):
-        jaxspec.generate(gemma, REPETITIVE, max_new_tokens=4, prompt_lookup_num_tokens=4, tree=(12, 4))
+        jaxspec.generate(moe, REPETITIVE, max_new_tokens=4, use_mtp=True, tree=(12, 4))
