@@ -5,8 +5,9 @@ block costs against a chain block of the same width.
         [--trees 8,4:8,2:8,4,4] [--schedule constant] [--max-new-tokens 64] [--repeats 2]
         [--results benchmarks/results]
 
-Drafters: `prompt_lookup`, `eagle3` (the model's shipped head, or `eagle3=PATH`), `assistant=NAME` (a catalogue name
-or path with the target's tokenizer). Each runs a chain of K = `--chain` drafts and each tree (N, D) or (N, D, F) of
+Drafters: `prompt_lookup`, `eagle3` (the model's shipped head, or `eagle3=PATH`), `mtp` (the MTP layers a catalogue
+model ships), `assistant=NAME` (a catalogue name or path with the target's tokenizer), `assistant-int8=NAME` (the same
+with int8 weights and activations, `jaxspec.quantize`). Each runs a chain of K = `--chain` drafts and each tree (N, D) or (N, D, F) of
 `--trees` with N = K (so every block verifies up to K + 1 entries; with F, the N most probable of D F candidates), on the five prompts of benchmarks/_bench_prompts.py through
 the chat template, batch 1, greedy; every output is checked equal to plain greedy's. The constant schedule (the
 default here) drafts the whole chain or tree every round, so the widths compared are the widths verified;
@@ -77,10 +78,15 @@ def main(argv=None) -> None:
         if name == "eagle3":
             head = path or catalog.shipped_drafter(args.model, "eagle3")
             return f"eagle3 ({head})", dict(assistant_model=jaxspec.load(head), num_assistant_tokens=args.chain)
-        if name == "assistant":
-            return f"assistant {path}", dict(assistant_model=jaxspec.load(path), num_assistant_tokens=args.chain,
-                                             assistant_confidence_threshold=0.0)
-        p.error(f"unknown drafter {drafter!r}: prompt_lookup, eagle3[=PATH] or assistant=NAME")
+        if name == "mtp":
+            return "mtp", dict(use_mtp=True, num_assistant_tokens=args.chain)
+        if name in ("assistant", "assistant-int8"):
+            assistant = jaxspec.load(path)
+            if name == "assistant-int8":
+                assistant = jaxspec.quantize(assistant, "int8")
+            return f"{name} {path}", dict(assistant_model=assistant, num_assistant_tokens=args.chain,
+                                          assistant_confidence_threshold=0.0)
+        p.error(f"unknown drafter {drafter!r}: prompt_lookup, eagle3[=PATH], mtp or assistant[-int8]=NAME")
 
     calls = {"plain greedy": {}}
     for drafter in args.drafters.split(","):

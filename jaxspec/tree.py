@@ -199,12 +199,15 @@ def select_by_probability(weights: jax.Array, valid: jax.Array, nodes: int) -> j
     Candidate j at depth d scores P_(d-1) p_j(d): P_(d-1) the product of the chain's draft probabilities above it
     (its path is the chain's to depth d - 1), p_j(d) the j-th largest probability of depth d's law (`weights`).
     Greedy drafts the law's best tokens, so p_j(d) is candidate j's own probability and this is EAGLE-2's cumulative
-    draft probability. Sampling keeps the same function of the laws, never of the alternatives drawn: what decides
-    whether the alternatives at depth d are kept is the chain (at d and below) and the laws, and the alternatives
-    are drawn afresh given the chain's token at d, so each kept one is still a draw from the law it is verified with,
-    and the kept ones are the first siblings in draw order (p_j(d) falls with j): recursive rejection sampling stays
-    exact (jaxspec/tree.py's proof, the siblings' count now depending on the chain). A score never exceeds its
-    parent's (every factor is at most 1), and ties go to the earlier node, so the kept nodes are a tree."""
+    draft probability. Sampling keeps the same function of the laws, never of the alternatives drawn: whether the
+    alternatives at depth d are kept depends on the chain's tokens (at any depth) and the laws only, and they are
+    drawn afresh given the chain's token at d, so each kept one is still a draw from the law it is verified with,
+    and the kept ones are the first siblings in draw order (p_j(d) falls with j). Whether the chain's own token at
+    d is kept depends on the chain above it only (no deeper node or sibling outscores it). So recursive rejection
+    sampling stays exact: in the module's proof, the walk at a node tries its first child, then "otherwise" yields a
+    draw from the residual whatever number of siblings follow, so that number may depend on the first child. A
+    score never exceeds its parent's (every factor is at most 1), and ties go to the earlier node, so the kept nodes
+    are a tree."""
     batch, depth, width = valid.shape
     chain_p, ranked = weights[..., 0], weights[..., 1:]  # [B, D], [B, D, F]
     above = jnp.cumprod(jnp.concatenate([jnp.ones((batch, 1), chain_p.dtype), chain_p[:, :-1]], axis=1), axis=1)
