@@ -153,8 +153,9 @@ def param_shapes(cfg: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
     return moe.stack_shapes(cfg, attention_shapes(cfg))
 
 
-def mla_attention(cfg: DeepseekV3Config, p, h, positions, cache: MLACache, index, first):
-    """Absorbed multi-head latent attention of h: [B, T, D] at `positions`, writing layer `index` of the cache."""
+def mla_attention(cfg: DeepseekV3Config, p, h, positions, cache: MLACache, index, first, tree=None):
+    """Absorbed multi-head latent attention of h: [B, T, D] at `positions`, writing layer `index` of the cache (a
+    tree-shaped block, `tree`: at its slots, each entry seeing the committed entries and its ancestors)."""
     dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is None:
         q = jnp.einsum("btd,dhk->bthk", h, p["wq"])  # [B, T, H, Dn+Dr]
@@ -166,12 +167,17 @@ def mla_attention(cfg: DeepseekV3Config, p, h, positions, cache: MLACache, index
     inv_freq, scaling = cfg.rope.inv_freq(), cfg.rope.attention_factor
     q_rope = L.apply_rope(q[..., dn:], positions, inv_freq, scaling)  # [B, T, H, Dr]
     k_rope = L.apply_rope(kv[:, :, None, r:], positions, inv_freq, scaling)[:, :, 0]  # [B, T, Dr]
-    cache = MLACache(latent=write_at_positions(cache.latent, index, positions, latent),
-                     k_rope=write_at_positions(cache.k_rope, index, positions, k_rope))
+    slots = positions if tree is None else tree.slots()
+    cache = MLACache(latent=write_at_positions(cache.latent, index, slots, latent),
+                     k_rope=write_at_positions(cache.k_rope, index, slots, k_rope))
     w_uk, w_uv = p["wkv_b"][..., :dn], p["wkv_b"][..., dn:]  # [R, H, Dn], [R, H, Dv]
     q_absorbed = jnp.einsum("bthk,rhk->bthr", q[..., :dn], w_uk)  # [B, T, H, R]
-    out_latent = L.attend_live(latent_attention, (q_absorbed, q_rope), cache.latent, cache.k_rope, positions,
-                               cfg.softmax_scale, first, layer=index)  # [B, T, H, R]
+    if tree is None:
+        out_latent = L.attend_live(latent_attention, (q_absorbed, q_rope), cache.latent, cache.k_rope, positions,
+                                   cfg.softmax_scale, first, layer=index)  # [B, T, H, R]
+    else:
+        out_latent = L.attend_live(tree_latent_attention, (q_absorbed, q_rope), cache.latent, cache.k_rope, slots,
+                                   cfg.softmax_scale, tree.start, tree.ancestors, positions, layer=index)
     out = jnp.einsum("bthr,rhv->bthv", out_latent, w_uv)  # [B, T, H, Dv]
     return jnp.einsum("bthv,hvd->btd", out, p["wo"]), cache
 
@@ -179,10 +185,22 @@ def mla_attention(cfg: DeepseekV3Config, p, h, positions, cache: MLACache, index
 def latent_attention(q, c_latent, c_rope, positions, scale: float, first):
     """Attention of absorbed queries over the latent cache. q: (q_absorbed [B, T, H, R], q_rope [B, T, H, Dr]);
     c_latent: [B, S, R]; c_rope: [B, S, Dr]; keys in [first, query position] (`causal_window`). -> [B, T, H, R]"""
+    return _latent_attention(q, c_latent, c_rope, L.causal_window(positions, c_latent.shape[1], first), scale)
+
+
+def tree_latent_attention(q, c_latent, c_rope, slots, scale: float, start, ancestors, positions):
+    """`latent_attention` of a tree-shaped block whose entries sit in `slots` [B, W] (what `attend_live` sizes the
+    cache prefix by): each entry sees the committed entries and its ancestors (`layers.tree_visibility`)."""
+    del slots  # every slot a query may see is below start + W, which attend_live's prefix holds
+    return _latent_attention(q, c_latent, c_rope, L.tree_visibility(start, ancestors, positions, c_latent.shape[1]),
+                             scale)
+
+
+def _latent_attention(q, c_latent, c_rope, visible, scale: float):
+    """The absorbed attention over the keys `visible` [B, T, S] marks. -> [B, T, H, R]"""
     q_absorbed, q_rope = q
     scores = jnp.einsum("bthr,bsr->bhts", q_absorbed, c_latent, preferred_element_type=jnp.float32)
     scores += jnp.einsum("bthk,bsk->bhts", q_rope, c_rope, preferred_element_type=jnp.float32)
-    visible = L.causal_window(positions, c_latent.shape[1], first)  # [B, T, S]
     scores = jnp.where(visible[:, None], scores * scale, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(c_latent.dtype)  # [B, H, T, S]
     # The product in its natural order (batch, then the weights' axes, then the latent's): asked for [B, T, H, R]
@@ -202,8 +220,8 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
     def attention_shapes(self) -> dict[str, tuple[int, ...]]:
         return attention_shapes(self.cfg)
 
-    def attention(self, p, h, positions, cache, index, first):
-        return mla_attention(self.cfg, p, h, positions, cache, index, first)
+    def attention(self, p, h, positions, cache, index, first, tree=None):
+        return mla_attention(self.cfg, p, h, positions, cache, index, first, tree)
 
     def new_cache(self, layers: int, batch: int, size: int) -> MLACache:
         c = self.cfg

@@ -100,8 +100,9 @@ def param_shapes(cfg: Glm4MoeConfig) -> dict[str, tuple[int, ...]]:
     return moe.stack_shapes(cfg, attention_shapes(cfg))
 
 
-def gqa_attention(cfg: Glm4MoeConfig, p, h, positions, cache: KVCache, index, first):
-    """Grouped-query attention of h: [B, T, D] at `positions`, writing layer `index` of the cache."""
+def gqa_attention(cfg: Glm4MoeConfig, p, h, positions, cache: KVCache, index, first, tree=None):
+    """Grouped-query attention of h: [B, T, D] at `positions`, writing layer `index` of the cache (a tree-shaped
+    block, `tree`: at its slots, attending as `layers.tree_attention` lays it out)."""
     q = jnp.einsum("btd,dhk->bthk", h, p["wq"])  # [B, T, H, Dh]
     k = jnp.einsum("btd,dhk->bthk", h, p["wk"])  # [B, T, K, Dh]
     v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
@@ -113,9 +114,14 @@ def gqa_attention(cfg: Glm4MoeConfig, p, h, positions, cache: KVCache, index, fi
     inv_freq, scaling = cfg.rope.inv_freq(), cfg.rope.attention_factor
     q = L.apply_rope(q, positions, inv_freq, scaling)
     k = L.apply_rope(k, positions, inv_freq, scaling)
+    scale = cfg.head_dim**-0.5
+    if tree is not None:
+        cache = write_kv(cache, index, tree.slots(), k, v)
+        attn = L.attend_live(L.tree_attention, q, cache.k, cache.v, tree.slots(), scale, tree.start, tree.ancestors,
+                             positions, layer=index)
+        return jnp.einsum("bthk,hkd->btd", attn, p["wo"]), cache
     cache = write_kv(cache, index, positions, k, v)
-    attn = L.attend_live(L.cached_attention_window, q, cache.k, cache.v, positions, cfg.head_dim**-0.5, first,
-                         layer=index)
+    attn = L.attend_live(L.cached_attention_window, q, cache.k, cache.v, positions, scale, first, layer=index)
     return jnp.einsum("bthk,hkd->btd", attn, p["wo"]), cache
 
 
@@ -131,8 +137,8 @@ class Glm4MoeForCausalLM(MoeCausalLM):
     def attention_shapes(self) -> dict[str, tuple[int, ...]]:
         return attention_shapes(self.cfg)
 
-    def attention(self, p, h, positions, cache, index, first):
-        return gqa_attention(self.cfg, p, h, positions, cache, index, first)
+    def attention(self, p, h, positions, cache, index, first, tree=None):
+        return gqa_attention(self.cfg, p, h, positions, cache, index, first, tree)
 
     def new_cache(self, layers: int, batch: int, size: int) -> KVCache:
         c = self.cfg

@@ -412,11 +412,13 @@ class MoeCausalLM(nnx.Module):
     """`model(tokens[B,T], positions[B,T], cache) -> (logits[B,T,V], hidden[B,T,D], cache)`, plus MTP drafting.
 
     A family subclass sets `ATTENTION_AXES` (one layer's attention params -> logical axes) and implements
-    `attention_shapes()`, `attention(p, h, positions, cache, index, first) -> (out, cache)` (a pure function of its
-    arguments, writing its cache entries at `positions` in layer `index`) and `new_cache(layers, batch, size)`.
+    `attention_shapes()`, `attention(p, h, positions, cache, index, first, tree) -> (out, cache)` (a pure function of
+    its arguments, writing its cache entries at `positions` in layer `index`, or for a tree-shaped block at its slots
+    with its mask: jaxspec/tree.py `TreeBlock`) and `new_cache(layers, batch, size)`.
     """
 
     ATTENTION_AXES: dict[str, tuple[str, ...]] = {}
+    tree_attention = True  # verifies tree-shaped blocks (`tree=`; jaxspec/tree.py)
 
     def __init__(self, cfg, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs | None = None):
         self.cfg = cfg
@@ -451,7 +453,7 @@ class MoeCausalLM(nnx.Module):
     def attention_shapes(self) -> dict[str, tuple[int, ...]]:
         raise NotImplementedError
 
-    def attention(self, p, h, positions, cache, index, first):
+    def attention(self, p, h, positions, cache, index, first, tree=None):
         raise NotImplementedError
 
     def new_cache(self, layers: int, batch: int, size: int):
@@ -464,16 +466,14 @@ class MoeCausalLM(nnx.Module):
 
     def run_layers(self, x: jax.Array, positions: jax.Array, cache, start: int = 0, stop: int | None = None,
                    tree=None):
-        """Run decoder layers [start, stop) on x: [B, T, D], writing their cache entries at `positions`."""
-        if tree is not None:
-            raise NotImplementedError(f"tree-shaped verify blocks need tree attention, which {type(self).__name__} "
-                                      "does not have yet (the Llama family, Qwen2 and Qwen3 have it).")
+        """Run decoder layers [start, stop) on x: [B, T, D], writing their cache entries at `positions` (a tree-shaped
+        block, `tree`: at its slots, `positions` being its entries' rope positions)."""
         stop = self.cfg.num_layers if stop is None else stop
         n_dense = self.cfg.moe.first_dense_layers
         if start < min(stop, n_dense):
-            x, cache = self._scan(x, positions, cache, start, min(stop, n_dense), moe=False)
+            x, cache = self._scan(x, positions, cache, start, min(stop, n_dense), moe=False, tree=tree)
         if max(start, n_dense) < stop:
-            x, cache = self._scan(x, positions, cache, max(start, n_dense), stop, moe=True)
+            x, cache = self._scan(x, positions, cache, max(start, n_dense), stop, moe=True, tree=tree)
         return x, cache
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
@@ -544,7 +544,7 @@ class MoeCausalLM(nnx.Module):
 
     # -- the decoder stack -----------------------------------------------------------------------------------------
 
-    def _scan(self, x, positions, cache, start: int, stop: int, moe: bool):
+    def _scan(self, x, positions, cache, start: int, stop: int, moe: bool, tree=None):
         """Layers [start, stop) of one FFN kind, scanned; `index` into the cache is the absolute layer number."""
         offset = self.cfg.moe.first_dense_layers if moe else 0
         attn_names = [*self.attention_shapes(), "attn_norm", "mlp_norm"]
@@ -558,15 +558,15 @@ class MoeCausalLM(nnx.Module):
             x, cache = carry
             p = {n: jax.lax.dynamic_index_in_dim(w, index, keepdims=False) for n, w in attn.items()}
             p |= {n: jax.lax.dynamic_index_in_dim(w, index - offset, keepdims=False) for n, w in ffn.items()}
-            return self._block(p, x, positions, cache, index, 0, moe), None
+            return self._block(p, x, positions, cache, index, 0, moe, tree), None
 
         (x, cache), _ = jax.lax.scan(layer, (x, cache), jnp.arange(start, stop))
         return x, cache
 
-    def _block(self, p, x, positions, cache, index, first, moe: bool):
+    def _block(self, p, x, positions, cache, index, first, moe: bool, tree=None):
         """One pre-norm decoder block; `first` is the lowest cache position its attention may see."""
         eps = self.cfg.rms_norm_eps
-        out, cache = self.attention(p, L.rms_norm(x, p["attn_norm"], eps), positions, cache, index, first)
+        out, cache = self.attention(p, L.rms_norm(x, p["attn_norm"], eps), positions, cache, index, first, tree)
         x = x + out
         h = L.rms_norm(x, p["mlp_norm"], eps)
         if moe:

@@ -1,7 +1,8 @@
 """A tree-shaped verify block through a family's forward (jaxspec/tree.py `TreeBlock`): each node's logits equal a
 chain forward over its own path, and after the accepted path's entries are moved to consecutive slots, the cache
-holds what a chain run over that path writes. Llama, and the Gemma family with sliding windows of 4 keys (shorter
-than the prompt and block), Gemma 2's soft-capped scores and Gemma 4's shared keys and per-layer inputs."""
+holds what a chain run over that path writes. Llama; the Gemma family with sliding windows of 4 keys (shorter than
+the prompt and block), Gemma 2's soft-capped scores and Gemma 4's shared keys and per-layer inputs; DeepSeek-V3's
+latent cache and GLM-4.5's."""
 
 from __future__ import annotations
 
@@ -23,11 +24,20 @@ RANKS = [0, 1, 0, 0, 0]
 PATHS = {0: [], 1: [0], 2: [1], 3: [0, 2], 4: [1, 3], 5: [1, 3, 4]}  # block entry -> its nodes below the root
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma2", pytest.param("gemma4_text", marks=pytest.mark.slow)])
+# The default suite runs Llama and Gemma 2 (10-12 s each); the rest, 18-25 s each, run in the slow suite.
+FAMILIES = ["llama", "gemma2", *(pytest.param(f, marks=pytest.mark.slow) for f in ("gemma4_text", "deepseek_v3",
+                                                                                   "glm4_moe"))]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def model(request, tiny_llama_dir, tmp_path_factory):
     if request.param == "llama":
         return jaxspec.load(tiny_llama_dir).module
     folder = tmp_path_factory.mktemp(request.param)
+    if request.param in ("deepseek_v3", "glm4_moe"):
+        from tests.fixtures.moe import FAMILIES as MOE, save_checkpoint
+
+        return jaxspec.load(save_checkpoint(request.param, folder, 2, 0, MOE[request.param])).module
     return jaxspec.load(hf_models.save_tiny_gemma(request.param, folder, seed=0)).module
 
 
