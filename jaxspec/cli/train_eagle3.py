@@ -1,6 +1,6 @@
-"""Train an EAGLE-3 head for a Llama, Qwen2 or Qwen3 target, offline, and write it in the `LlamaForCausalLMEagle3`
-layout that vLLM, SGLang and SpecForge load, and `jaxspec.load` too (`assistant_model=`, `--strategy eagle3
---assistant FOLDER`).
+"""Train an EAGLE-3 head for a Llama, Qwen2, Qwen3 or Gemma target, offline, and write it in the
+`LlamaForCausalLMEagle3` layout that vLLM, SGLang and SpecForge load, and `jaxspec.load` too (`assistant_model=`,
+`--strategy eagle3 --assistant FOLDER`).
 
     jaxspec-train-eagle3 --out drafters/smollm2-135m-eagle3
     jaxspec-train-eagle3 --model path/to/qwen3 --draft-vocab 32000 --steps 4000 --out drafters/qwen3-eagle3

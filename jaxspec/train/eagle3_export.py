@@ -1,5 +1,5 @@
-"""A fresh EAGLE-3 head for a Llama-family target (Llama, Qwen2, Qwen3), its draft vocabulary, and writing a trained
-head where `jaxspec.load`, vLLM and SGLang read it (`LlamaForCausalLMEagle3`, SpecForge's layout).
+"""A fresh EAGLE-3 head for a Llama-family (Llama, Qwen2, Qwen3) or Gemma (2, 3, 4) target, its draft vocabulary, and
+writing a trained head where `jaxspec.load`, vLLM and SGLang read it (`LlamaForCausalLMEagle3`, SpecForge's layout).
 
 The head is built in that layout (models/eagle3.py): one Llama decoder layer of the target's width, head and MLP
 sizes (the head embeds with the target's table, so its width is the target's), `fc` over the concatenated outputs of
@@ -13,11 +13,17 @@ lower acceptance than the identity start):
 - the midlayer's attention output projection and MLP down projection are zero, so every entry's output starts as
   its input state; its q/k/v, gate and up projections are random (N(0, 0.02), the initializer_range SpecForge's heads
   start from), norms one;
-- the final norm is the target's and the head's rows are the target's head rows of the draft tokens.
+- the final norm is the target's (a Gemma norm's unit offset folded into the weight: 1 + w) and the head's rows are
+  the target's head rows of the draft tokens.
 So the first drafts are the target's own head read at its deepest tapped layer, restricted to the draft vocabulary:
 confident guesses of the token before the one drafted, whose KL starts high and falls fast, in the output space the
 trained head needs. The midlayer is not copied from a target layer: its attention reads [emb, g], twice the target's
 width, which no target matrix fits.
+
+A Gemma target gets the same Llama-layout head: its attention shape is the target's sliding layers' (heads, kv
+heads, head width, rope base), and it embeds with the target's raw table rows, unscaled, as every EAGLE-3 head does
+(`strategies/eagle3.py draft_embedding`). A Gemma 2 target soft-caps its final logits; the head's initial drafts
+are its uncapped logits, which rank the tokens the same way.
 
 The draft vocabulary (`draft_vocabulary_for`): the V' tokens the training answers use most, in ascending id order,
 as SpecForge's vocabulary mapping chooses it from its loss-bearing tokens; `d2t`/`t2d` encode it in the export.
@@ -95,14 +101,14 @@ def vocabulary_coverage(corpus: BlockCorpus, draft_ids: np.ndarray, vocab_size: 
 
 def new_eagle3_head(target, draft_vocab: Sequence[int] | None = None, *, layer_ids: Sequence[int] | None = None,
                     seed: int = 0) -> Model:
-    """A fresh EAGLE-3 head (module docstring) for `target`, a Llama, Qwen2 or Qwen3 `jaxspec.Model`.
+    """A fresh EAGLE-3 head (module docstring) for `target`, a Llama, Qwen2, Qwen3 or Gemma `jaxspec.Model`.
 
     draft_vocab: the target token ids of the draft vocabulary, distinct and ascending (`draft_vocabulary_for`;
     default: the whole vocabulary). layer_ids: the three target layers whose outputs fc reads, in order (default:
     `default_head_layers`). Arguments are checked before anything is built."""
     cfg = target.config
-    if type(cfg).__name__ != "LlamaConfig":
-        raise NotImplementedError(f"fresh EAGLE-3 heads are built for Llama, Qwen2 and Qwen3 targets; "
+    if type(cfg).__name__ not in ("LlamaConfig", "GemmaConfig"):
+        raise NotImplementedError(f"fresh EAGLE-3 heads are built for Llama, Qwen2, Qwen3 and Gemma targets; "
                                   f"{type(target.module).__name__} is not one.")
     layer_ids = default_head_layers(cfg.num_layers) if layer_ids is None else check_head_layers(cfg, layer_ids)
     ids = np.arange(cfg.vocab_size) if draft_vocab is None else np.asarray(draft_vocab)
@@ -121,22 +127,35 @@ def new_eagle3_head(target, draft_vocab: Sequence[int] | None = None, *, layer_i
     return Model(module=module, config=head_cfg, hf_config=hf_config)
 
 
+def attention_shape(target_cfg) -> dict[str, Any]:
+    """The head's attention for a target config: a Llama-family target's own; a Gemma target's sliding layers'."""
+    if type(target_cfg).__name__ == "GemmaConfig":
+        kind = target_cfg.sliding
+        return {"num_heads": target_cfg.num_heads, "num_kv_heads": kind.num_kv_heads, "head_dim": kind.head_dim,
+                "rope_theta": kind.rope.theta, "rope_llama3": None}
+    return {"num_heads": target_cfg.num_heads, "num_kv_heads": target_cfg.num_kv_heads,
+            "head_dim": target_cfg.head_dim, "rope_theta": target_cfg.rope_theta,
+            "rope_llama3": target_cfg.rope_llama3}
+
+
 def head_config(target_cfg, draft_vocab_size: int, layer_ids: Sequence[int]) -> dict[str, Any]:
-    """The config.json of a head for a Llama-family target: a one-layer Llama config with the EAGLE-3 keys. Rope is
-    written as `rope_theta` (and `rope_scaling` for llama3), the keys vLLM, SGLang and transformers 5 all read."""
+    """The config.json of a head for a Llama-family or Gemma target: a one-layer Llama config with the EAGLE-3 keys.
+    Rope is written as `rope_theta` (and `rope_scaling` for llama3), the keys vLLM, SGLang and transformers 5 all
+    read."""
     eos = list(target_cfg.eos_token_id)
+    shape = attention_shape(target_cfg)
     config = {
         "architectures": [EAGLE3],
         "model_type": "llama",
         "hidden_size": target_cfg.hidden_size,
         "intermediate_size": target_cfg.intermediate_size,
         "num_hidden_layers": 1,
-        "num_attention_heads": target_cfg.num_heads,
-        "num_key_value_heads": target_cfg.num_kv_heads,
-        "head_dim": target_cfg.head_dim,
+        "num_attention_heads": shape["num_heads"],
+        "num_key_value_heads": shape["num_kv_heads"],
+        "head_dim": shape["head_dim"],
         "hidden_act": "silu",
         "rms_norm_eps": target_cfg.rms_norm_eps,
-        "rope_theta": target_cfg.rope_theta,
+        "rope_theta": shape["rope_theta"],
         "max_position_embeddings": target_cfg.max_position_embeddings,
         "vocab_size": target_cfg.vocab_size,
         "draft_vocab_size": int(draft_vocab_size),
@@ -148,8 +167,8 @@ def head_config(target_cfg, draft_vocab_size: int, layer_ids: Sequence[int]) -> 
         "pad_token_id": target_cfg.pad_token_id,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True},
     }
-    if target_cfg.rope_llama3 is not None:
-        factor, low, high, original = target_cfg.rope_llama3
+    if shape["rope_llama3"] is not None:
+        factor, low, high, original = shape["rope_llama3"]
         config["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
                                   "high_freq_factor": high, "original_max_position_embeddings": original}
     return config
@@ -176,7 +195,9 @@ def initial_params(target, cfg: Eagle3Config, layer_ids: Sequence[int], draft_id
         "wo": np.zeros((cfg.num_heads, cfg.head_dim, d), np.float32),
         "mlp_norm": np.ones(d, np.float32), "w_gate": random(d, f), "w_up": random(d, f),
         "w_down": np.zeros((f, d), np.float32),
-        "final_norm": np.asarray(target.module.final_norm[...], np.float32),
+        # Gemma norms scale by offset + w (its unit offset), the head's Llama norm by w alone.
+        "final_norm": (np.asarray(target.module.final_norm[...], np.float32)
+                       + getattr(target.config, "norm_offset", 0.0)),
         "lm_head": head_rows,
         "vocab_ids": draft_ids.astype(np.int32),
     }

@@ -1,7 +1,8 @@
 """Training EAGLE-3 heads (jaxspec.train.eagle3_*): the training-time test against SpecForge's reference forward and
 its loss recipe, gradients, the initial head and draft vocabulary, a loss that falls and a replayed acceptance that
 rises, exact resume, the export read back by jaxspec (decoding exactly, with the accepted counts the replay
-predicts) and by SpecForge's `LlamaForCausalLMEagle3`, the command line, and the errors for bad arguments.
+predicts) and by SpecForge's `LlamaForCausalLMEagle3`, heads for a Gemma target, the command line, and the errors for
+bad arguments.
 
 The target is the suite's tiny Llama (conftest's `target`: 4 layers, width 32, 128 tokens). The head reads target
 layers (2, 0, 1): out of order, so fc's input order is exercised (an EAGLE-3 head never reads the last layer).
@@ -354,6 +355,54 @@ def test_export_decodes_exactly_with_the_replayed_acceptance(trained, target, co
     replay = simulate_greedy_rounds(replay_layout(drafts), rows.tokens, rows.starts, rows.starts + steps, TTT)
     assert (int(out.accepted.sum()), int(out.drafted.sum())) == (replay["accepted"], replay["drafted"])
     assert replay["accepted"] > 0.2 * replay["drafted"]  # the counts compared are not all zeros
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gemma targets
+
+
+@pytest.fixture(scope="module")
+def gemma_target(tmp_path_factory):
+    """A tiny Gemma 3 (4 layers, sliding window 4, a final norm with a unit offset) and its answers' corpus."""
+    from tests.fixtures import hf_models
+
+    folder = hf_models.save_tiny_gemma("gemma3_text", tmp_path_factory.mktemp("gemma3"), seed=0)
+    target = jaxspec.load(folder)
+    corpus = dflash_data.generated_block_corpus(target.module, random_prompts(8, seed=0), SEQ, 8, eos_ids=(),
+                                                layer_ids=LAYERS)
+    return target, corpus
+
+
+def test_a_fresh_head_for_a_gemma_target_drafts_with_its_head(gemma_target):
+    """The fresh head of a Gemma target starts as the target's own head read at its deepest tapped layer, as a
+    Llama target's does (the final norm's unit offset folded into the head's norm)."""
+    target, corpus = gemma_target
+    head = new_eagle3_head(target, layer_ids=LAYERS)
+    assert head.config.num_heads == target.config.num_heads and head.config.head_dim == target.config.sliding.head_dim
+    rows = corpus.take(np.arange(2))
+    features = jax.jit(lambda t: dflash_data.target_taps(target.module, t, LAYERS))(jnp.asarray(rows.tokens))[0]
+    tokens = jnp.pad(jnp.asarray(rows.tokens), ((0, 0), (0, 2)))
+    logits = ttt_logits(head.module, embedding_table(head.module, target.module), features, tokens, 2)
+    width = target.config.hidden_size
+    expected = target.module.logits(target.module.final_hidden(features[..., :width]))  # layer 2, first in LAYERS
+    np.testing.assert_allclose(np.asarray(logits[1]), np.asarray(expected), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # ~60 s: a short training run and two decoding loops of the Gemma target
+def test_a_head_trained_for_a_gemma_target_decodes_exactly(gemma_target, tmp_path):
+    target, corpus = gemma_target
+    head = new_eagle3_head(target, draft_vocabulary_for(corpus, DRAFT, 128), layer_ids=LAYERS)
+    cfg = Eagle3TrainConfig(steps=40, batch_size=4, ttt_steps=2, eval_drafts=2, eval_every=40,
+                            optim=OptimConfig(learning_rate=1e-2, warmup_steps=3))
+    result = train_eagle3(head, target, corpus, corpus, cfg, str(tmp_path / "run"), progress=False)
+    history = result.history
+    assert np.mean(history["loss"][-5:]) < np.mean(history["loss"][:5])
+    folder = save_eagle3_head(result.model, str(tmp_path / "head"), dtype=np.float32)
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [20, 21, 22, 20, 21]]
+    plain = jaxspec.generate(target, prompts, max_new_tokens=16, eos_token_id=[])
+    out = jaxspec.generate(target, prompts, max_new_tokens=16, eos_token_id=[], assistant_model=jaxspec.load(folder))
+    assert out.strategy == "eagle3" and out.drafted.sum() > 0
+    np.testing.assert_array_equal(out.sequences, plain.sequences)
 
 
 # ----------------------------------------------------------------------------------------------------------------
