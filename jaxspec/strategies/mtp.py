@@ -22,6 +22,11 @@ and the drafts still equal a from-scratch MTP chain.
 With more drafts than MTP layers (`num_assistant_tokens` > `num_nextn_predict_layers`), the extra depths reuse the
 last layer's weights, each with its own cache (as vLLM does); off by default. A model with a reduced draft
 vocabulary (`draft_logits`) heads its drafts with those tokens only: q is zero elsewhere, which keeps sampling exact.
+
+With `tree=(N, D)` each depth keeps N // D candidates (`jaxspec.tree.draw_candidates`, the first continuing the
+chain), the alternatives being leaves, at no MTP work beyond the chain's; with `tree=(N, D, F)` the N most probable
+of D F (`jaxspec.tree.select_by_probability`). The window recomputed every round makes the layers indifferent to
+which branch was committed.
 """
 
 from __future__ import annotations
