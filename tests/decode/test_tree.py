@@ -104,15 +104,22 @@ def _joint_of_two_tokens(seed, *, with_replacement=False):
                               parents=jnp.broadcast_to(jnp.array([-1, -1, 0, 0]), (ROWS, 4)),
                               ranks=jnp.broadcast_to(jnp.array([0, 1, 0, 1]), (ROWS, 4)),
                               count=jnp.full((ROWS,), 4), probs=jnp.asarray(probs, jnp.float32))
-    laws = np.concatenate([np.broadcast_to(p_root, (ROWS, 1, V)), p_next[tokens]], 1)  # after root, after nodes
+    joint, verdict = _two_tokens_under_bigrams(tree, p_root, p_next, seed, rng)
+    return joint, (p_root[:, None] * p_next).reshape(-1), np.asarray(verdict.accepted)
+
+
+def _two_tokens_under_bigrams(tree, p_root, p_next, seed, rng):
+    """Verify a depth-2 tree of ROWS rows against the bigram target (p_root after the root, P[t] after token t) ->
+    (the flattened joint t1 * V + t2 of the first two committed tokens, the second drawn from P[t1] as the next round
+    would when the round committed only one; the verdict)."""
+    laws = np.concatenate([np.broadcast_to(p_root, (ROWS, 1, V)), p_next[np.asarray(tree.tokens)]], 1)
     verdict = tree_lib.verify_tree(jax.random.PRNGKey(seed), jnp.log(jnp.asarray(laws, jnp.float32)), tree, depth=2,
                                    branching=2, do_sample=True)
     committed = np.asarray(verdict.tokens)
     first = committed[:, 0]
     next_round = (rng.random(ROWS)[:, None] > np.cumsum(p_next[first], axis=1)).sum(axis=1).clip(max=V - 1)
     second = np.where(np.asarray(verdict.accepted) >= 1, committed[:, 1], next_round)
-    exact = (p_root[:, None] * p_next).reshape(-1)
-    return first * V + second, exact, np.asarray(verdict.accepted)
+    return first * V + second, verdict
 
 
 def test_recursive_rejection_sampling_is_exact_and_both_controls_are_caught(monkeypatch):
@@ -196,16 +203,9 @@ def _joint_of_a_selected_tree(seed, *, own_probability=False):
                                  weights=jnp.asarray(np.stack([weights(np.broadcast_to(q_root, (ROWS, V)), top),
                                                                weights(below_law, below)], 1), jnp.float32),
                                  nodes=3)
-    laws = np.broadcast_to(p_root, (ROWS, 4, V)).copy()  # entry 0: after the root; entry i + 1: after node i
-    laws[:, 1:] = p_next[np.asarray(tree.tokens)]
-    verdict = tree_lib.verify_tree(jax.random.PRNGKey(seed), jnp.log(jnp.asarray(laws, jnp.float32)), tree, depth=2,
-                                   branching=2, do_sample=True)
-    committed = np.asarray(verdict.tokens)
-    first = committed[:, 0]
-    next_round = (rng.random(ROWS)[:, None] > np.cumsum(p_next[first], axis=1)).sum(axis=1).clip(max=V - 1)
-    second = np.where(np.asarray(verdict.accepted) >= 1, committed[:, 1], next_round)
+    joint, _ = _two_tokens_under_bigrams(tree, p_root, p_next, seed, rng)
     depth_one_alternative = np.asarray(tree.ranks)[:, 1] == 1  # node 1 is the root's second child
-    return first * V + second, (p_root[:, None] * p_next).reshape(-1), depth_one_alternative
+    return joint, (p_root[:, None] * p_next).reshape(-1), depth_one_alternative
 
 
 def test_selected_trees_sample_exactly_and_ranking_by_the_drawn_token_is_caught():
