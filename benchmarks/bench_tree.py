@@ -154,7 +154,7 @@ def main(argv=None) -> None:
             if repeat:
                 block_seconds[name].append((out.decode_seconds - out.prefill_seconds) / out.rounds)
     step = statistics.median(block_seconds["plain step"])
-    print(f"\n| round (story prompt) | ms | plain steps |")
+    print("\n| round (story prompt) | ms | plain steps |")
     print("|---|---:|---:|")
     for name in blocks:
         ms = statistics.median(block_seconds[name])
