@@ -236,6 +236,16 @@ class Drafter:
         return tuple(sorted(set(widths) | {self.tree.entries(w - 1) for w in widths}))
 
     @property
+    def branches(self) -> int:
+        """Candidates kept per draft step: a tree's F at every depth, 1 for a chain."""
+        return 1 if self.tree is None else self.tree.branching
+
+    @property
+    def selects(self) -> bool:
+        """Whether the drafter keeps the most probable of its candidates (a tree whose budget is below D F)."""
+        return self.tree is not None and self.tree.selects
+
+    @property
     def draft_slots(self) -> int:
         """The most entries a verify block holds after the row's newest token: K for a chain, N for a tree."""
         return self.tree.nodes if self.tree is not None else self.max_draft

@@ -70,8 +70,7 @@ class BlockDrafter(Drafter):
     def draft(self, ctx: Context, loop: DecodeState, state: BlockState, rng: jax.Array) -> DraftStep:
         limit = jnp.minimum(self.schedule.allowed(state.length, ~loop.done), room_for_drafts(loop))  # [B]
 
-        branches = 1 if self.tree is None else self.tree.branching  # candidates kept per block position
-        selects = self.tree is not None and self.tree.selects  # the tree keeps its N most probable candidates
+        branches, selects = self.branches, self.selects  # a tree's siblings per depth; keeping the N most probable
 
         def run(_):
             return self._draft_block(ctx, loop, state.cache, rng, branches, selects), jnp.ones((), jnp.int32)

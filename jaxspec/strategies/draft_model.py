@@ -153,11 +153,6 @@ class AutoregressiveDrafter(Drafter):
         _, carry, _, _, tokens, probs, weights, _, count, feeds = jax.lax.while_loop(cond, step, state)
         return self._proposal(tokens, count, probs, branching, weights), carry, feeds
 
-    @property
-    def branches(self) -> int:
-        """Candidates kept per draft step: a tree's N // D alternatives at every depth, 1 for a chain."""
-        return 1 if self.tree is None else self.tree.branching
-
     def _alternatives(self, key, processed, q, token, doubting, ctx: Context) -> jax.Array:
         """[B, F]: the step's token, then F - 1 alternatives drawn without replacement from the law it was drawn
         from (q, or q over the confident tokens for a doubted first draft) with it removed: the top F - 1 of those
@@ -167,11 +162,6 @@ class AutoregressiveDrafter(Drafter):
         noise = jax.random.gumbel(jax.random.fold_in(key, 1), processed.shape, jnp.float32) if ctx.do_sample else 0.0
         ranked = (law + noise).at[jnp.arange(token.shape[0]), token].set(jnp.inf)  # the chain's token first
         return jax.lax.top_k(ranked, self.branches)[1].astype(jnp.int32)
-
-    @property
-    def selects(self) -> bool:
-        """Whether the drafter keeps the most probable of its candidates (a tree whose budget is below D F)."""
-        return self.tree is not None and self.tree.selects
 
     def _proposal(self, tokens, count, probs, branching=None, weights=None) -> Draft:
         """A chain's Draft from [B, K, 1] candidates, or the tree of the chain and its alternatives."""

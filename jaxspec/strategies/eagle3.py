@@ -113,8 +113,7 @@ class Eagle3Drafter(Drafter):
 
     def draft(self, ctx: Context, loop: DecodeState, state: Eagle3State, rng: jax.Array) -> DraftStep:
         k, head = self.max_draft, ctx.assistant
-        branches = 1 if self.tree is None else self.tree.branching  # candidates kept per depth (a tree's siblings)
-        selects = self.tree is not None and self.tree.selects  # the tree keeps its N most probable candidates
+        branches, selects = self.branches, self.selects  # a tree's siblings per depth; keeping the N most probable
         batch = loop.tokens.shape[0]
         rows = jnp.arange(batch)
         count = jnp.minimum(self.schedule.allowed(state.length, ~loop.done), room_for_drafts(loop))  # [B]

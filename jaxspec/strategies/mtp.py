@@ -118,8 +118,7 @@ class MtpDrafter(Drafter):
         else:
             draft_logits = target.logits
         vocab = target.cfg.vocab_size
-        branches = 1 if self.tree is None else self.tree.branching  # candidates kept per depth (a tree's siblings)
-        selects = self.tree is not None and self.tree.selects  # the tree keeps its N most probable candidates
+        branches, selects = self.branches, self.selects  # a tree's siblings per depth; keeping the N most probable
         carry = (state.caches, state.outputs, state.synced, sequence, loop.tokens,
                  _input_states(state.main_hidden, state.outputs, 0, window),  # [B, K+1, D] depth 0's input
                  jnp.zeros((), jnp.int32))
