@@ -1,22 +1,22 @@
-"""Step costs: measured on the machine that decodes (what the adaptive schedule prices drafts with), and the
-weight-share estimates used where nothing is measured.
+"""Step costs: the adaptive schedule's prices, measured by running the compiled loop on the machine that decodes,
+and the weight-share estimates used where nothing is measured.
 
 The adaptive schedule (jaxspec/schedule.py) drafts the length that maximises expected tokens per cost, so it is only
-as good as its costs: a verify block of W tokens, in plain decoding steps, and one assistant forward, in target
-steps. Both depend on the machine far more than on the model (memory bandwidth moves them from day to day on the
-same machine), so `generate` measures them, once per architecture, machine and batch size bucket, and keeps them in
-`step_costs.json` in the jaxspec cache folder (`$JAXSPEC_CACHE`, else ~/.cache/jaxspec), in milliseconds, keyed by
-machine, backend, model shape, model code, batch and width. A verify block is priced at the batch it runs: on a CPU
-a [8, 4] block costs far more plain steps than a [1, 4] block (eight rows already fill the matrix units a single
-row leaves idle), so figures measured at batch 1 would make a batch draft where it does not pay. Costs depend on
-shapes, not weights, so a model of the same architecture reuses them. A measurement compiles one forward loop per
-measured width and runs it a few times.
+as good as its prices: a verify block of each width, one draft, and a drafting round's fixed work, in rounds that
+draft nothing (plain steps). They depend on the machine far more than on the model (memory bandwidth moves them
+from day to day on the same machine), and on everything a round does besides its forwards: processors, verification,
+cache writes, a drafter's windows and catch-up. So the prices are run-time inputs of the loop (`Prices`), and
+`generate` measures them by running the call's own executables with every round forced to a verify width or a
+draft length (`time_loop`): nothing compiles for it, and a price is what the loop really spends. They are measured
+once per machine, model, drafter and batch size bucket and kept in `step_costs.json` in the jaxspec cache folder
+(`$JAXSPEC_CACHE`, else ~/.cache/jaxspec), in milliseconds a round. A verify block is priced at the batch it runs:
+on a CPU a [8, 4] block costs far more plain steps than a [1, 4] block (eight rows already fill the matrix units a
+single row leaves idle), so figures measured at batch 1 would make a batch draft where it does not pay.
 
-`JAXSPEC_STEP_COSTS` chooses: `measure` (the default), `default` (the fixed figures of
-`jaxspec.schedule.default_verify_costs` and the weight-bytes ratio for an assistant: deterministic, what the test
-suite uses), or `remeasure` (measure again on every call and overwrite the stored entries: after the machine changed).
-Sharded and multi-process runs keep the fixed figures: a forward timed on one device says little about a mesh.
-See docs/design.md, 'Step costs measured on the machine'.
+`JAXSPEC_STEP_COSTS` chooses: `measure` (the default), `default` (the drafter's own estimates: the fixed figures of
+`jaxspec.schedule.default_verify_costs` and weight-bytes ratios for drafts; deterministic, what the test suite uses),
+or `remeasure` (measure again on every call and overwrite the stored entries: after the machine changed). Sharded
+and multi-process runs keep the estimates. See docs/design.md, 'Step costs measured on the machine'.
 """
 
 from __future__ import annotations
@@ -37,15 +37,17 @@ from flax import nnx
 
 import numpy as np
 
-from .head import verify_head
 from .loading import Model
+from .schedule import Prices, Schedule
+from .tree import TreeShape
 
 MODES = ("measure", "default", "remeasure")
 CACHE_FILE = "step_costs.json"
 CACHE_SIZE = 512  # positions of the cache the timed forwards write (decoding sizes its cache to the call)
 START_POSITION = 200  # where the timed forwards start: attention reads a realistic prefix
-STEPS = 4  # forwards per timed loop
-RUNS = 3  # timed runs per loop; the fastest counts (the others met a busier machine)
+STEPS = 4  # forwards per timed loop (time_forwards)
+ROUNDS = 8  # rounds per timed run of the decoding loop (time_loop)
+RUNS = 3  # timed runs per loop; the fastest counts (the others met a busier machine, or warmed it)
 MAX_COST_BATCH = 64  # larger batches are priced with costs measured at this many rows
 
 
@@ -63,21 +65,6 @@ def measurable(*models: Model) -> bool:
         return False
     leaves = [leaf for model in models for leaf in jax.tree_util.tree_leaves(nnx.state(model.module, nnx.Param))]
     return all(len(leaf.devices()) == 1 for leaf in leaves)
-
-
-def forward_milliseconds(model: Model, widths: tuple[int, ...], *, batch: int = 1, verifying: bool = True,
-                         remeasure: bool = False) -> dict[int, float]:
-    """Milliseconds of one `model` forward of `batch` rows for each width, from the cache file or measured now.
-
-    `verifying`: time the forward as verification runs it (with the CPU verify head of jaxspec/head.py where the
-    loop uses one), else as a drafting assistant runs it (its own head)."""
-    prefix = _key_prefix(model, verifying)
-    shape = "" if batch == 1 else f"{batch}x"  # batch 1 keeps the keys it always had
-    keys = {w: f"{prefix}|{shape}{w}" for w in widths}
-    stored = _stored(keys.values(), remeasure, lambda missing: {
-        keys[w]: ms for w, ms in _measure(model, tuple(w for w in widths if keys[w] in missing), verifying,
-                                          batch).items()})
-    return {w: stored[keys[w]] for w in widths}
 
 
 def _stored(keys, remeasure: bool, measure) -> dict[str, float]:
@@ -99,196 +86,142 @@ def cost_batch(batch: int) -> int:
     return min(1 << (batch - 1).bit_length(), MAX_COST_BATCH)
 
 
-def price_schedule(drafter, target: Model, assistant: Model | None, batch: int = 1):
-    """`drafter` with its adaptive schedule priced by step costs measured at the call's batch (`cost_batch`): each
-    verify width's forward over a plain step's, and, for an assistant that drafts one token per forward, its forward
-    over the target's; an MTP draft, one depth step over its window timed the same way; a DFlash round, its drafting
-    work (`time_block_drafts`) as the schedule's `round_cost`; an EAGLE-3 round, its window and each further head step
-    (`time_head_rounds`). Early exit keeps its draft cost, a share of the
-    target's weights (E of L layers and the head: large blocks, whose bytes say what they cost); copied drafts
-    (prompt lookup) cost nothing. Unchanged where the schedule is not adaptive, where `JAXSPEC_STEP_COSTS=default`,
-    and for sharded or multi-process runs."""
-    schedule = getattr(drafter, "schedule", None)
-    if schedule is None or schedule.kind != "adaptive" or not schedule.widths:
-        return drafter
+def price_loop(call, prefill, rounds, target: Model, assistant: Model | None, batch: int) -> Prices | None:
+    """The adaptive schedule's prices for this compiled loop, measured by running it (`time_loop`) at the call's
+    batch and stored for its batch bucket (`cost_batch`), or read from the cache file. None where the schedule is
+    not priced, where `JAXSPEC_STEP_COSTS=default`, and for sharded or multi-process runs: the loop then keeps the
+    drafter's own estimates.
+
+    Each price is in rounds that draft nothing (plain steps): a verify block of each width, one draft, and the fixed
+    work of a round that drafts at all. Widths between 2 and the widest are interpolated (`interpolate`)."""
+    spec = call.spec
+    schedule = getattr(spec.drafter, "schedule", None)
+    if schedule is None or not schedule.priced or spec.mesh is not None:
+        return None
     chosen = mode()
     models = (target,) if assistant is None else (target, assistant)
     if chosen == "default" or not measurable(*models):
-        return drafter
-    remeasure = chosen == "remeasure"
-    entries = schedule.entry_widths  # a tree's depth d verifies F d + 1 entries
-    measured = tuple(sorted({1, 2, max(entries)}))  # widths always hold 1 and K + 1 >= 2
-    rows = cost_batch(batch)
-    target_ms = forward_milliseconds(target, measured, batch=rows, remeasure=remeasure)
-    # A wider block holds a narrower one's work and more, so it never costs less: a measurement that says otherwise
-    # met a busier machine for the narrower block, and is raised to it rather than stored as a bargain.
-    relative = np.maximum.accumulate([interpolate(target_ms, w) / target_ms[1] for w in entries])
-    verify_costs = tuple(round(float(cost), 2) for cost in relative)
-    chain_costs = schedule.chain_costs
-    if schedule.branches:  # a tree schedule also prices the chain alone, at blocks of w entries
-        chain = np.maximum.accumulate([interpolate(target_ms, w) / target_ms[1] for w in schedule.widths])
-        chain_costs = tuple(round(float(cost), 2) for cost in chain)
-    draft_cost, round_cost = schedule.draft_cost, schedule.round_cost
-    if drafter.drafts_with_block_forward:
-        block_ms = block_draft_milliseconds(target, assistant, drafter.max_draft, batch=rows, remeasure=remeasure)
-        round_cost = round(block_ms / target_ms[1], 3)
-    elif drafter.drafts_with_head_steps:
-        # Every round runs the head over a window of K + 1 entries first (jaxspec/strategies/eagle3.py)
-        one, chain = (head_round_milliseconds(target, assistant, drafts, drafter.max_draft + 1, batch=rows,
-                                              remeasure=remeasure) for drafts in (1, drafter.max_draft))
-        step_ms = (chain - one) / (drafter.max_draft - 1) if drafter.max_draft > 1 else one
-        draft_cost, round_cost = round(step_ms / target_ms[1], 3), round(max(one - step_ms, 0.0) / target_ms[1], 3)
-    elif drafter.drafts_with_assistant_forwards and assistant is not target:
-        assistant_ms = forward_milliseconds(assistant, (1,), batch=rows, verifying=False, remeasure=remeasure)[1]
-        draft_cost = round(assistant_ms / target_ms[1], 3)
-    elif drafter.drafts_with_mtp_steps:
-        window = drafter.max_draft + 1  # each depth runs over the last K + 1 positions (jaxspec/strategies/mtp.py)
-        draft_cost = round(mtp_step_milliseconds(target, window, batch=rows, remeasure=remeasure) / target_ms[1], 3)
-    priced = dataclasses.replace(schedule, verify_costs=verify_costs, draft_cost=draft_cost, round_cost=round_cost,
-                                 chain_costs=chain_costs)
-    return dataclasses.replace(drafter, schedule=priced)
+        return None
+    widths = tuple(sorted({1, 2, max(spec.verify_widths)}))
+    drafts = _drafts_timed(spec.drafter)
+    prefix = _loop_key_prefix(spec, target, assistant, cost_batch(batch))
+    keys = {f"{prefix}|verify|{w}": ("verify", w) for w in widths}
+    keys |= {f"{prefix}|{part}": (part, 0) for part in ("draft", "round") if drafts}
+    stored = _stored(keys, chosen == "remeasure", lambda missing: time_loop(call, prefill, rounds, widths, drafts,
+                                                                            prefix))
+    milliseconds = {keys[key]: ms for key, ms in stored.items()}
+    return loop_prices(schedule, {w: milliseconds["verify", w] for w in widths},
+                       milliseconds.get(("draft", 0)), milliseconds.get(("round", 0)))
 
 
-def mtp_step_milliseconds(model: Model, window: int, *, batch: int = 1, remeasure: bool = False) -> float:
-    """Milliseconds of one MTP depth step over `window` positions of `batch` rows with its draft head, from the
-    cache file or measured now (`time_mtp_steps`)."""
-    key = f"{_key_prefix(model, verifying=False)}|mtp|{batch}x{window}"
-    return _stored([key], remeasure, lambda missing: {key: time_mtp_steps(model, window, batch=batch)})[key]
+def loop_prices(schedule: Schedule, verify_ms: dict[int, float], draft_ms: float | None = None,
+                round_ms: float | None = None) -> Prices:
+    """`schedule`'s prices from the loop's timings, in milliseconds a round: verify blocks by width (width 1, a
+    round that drafts nothing, is the unit) and, for a drafter whose drafts cost work, one draft and the fixed work
+    of a drafting round; a drafter whose drafts are not timed keeps its own draft prices."""
+    unit = verify_ms[1]
+
+    def relative(widths):
+        # A wider block holds a narrower one's work and more, so it never costs less: a measurement that says
+        # otherwise met a busier machine for the narrower block, and is raised to it rather than kept as a bargain.
+        costs = np.maximum.accumulate([interpolate(verify_ms, w) / unit for w in widths])
+        return tuple(round(float(cost), 3) for cost in costs)
+
+    priced = dataclasses.replace(schedule, verify_costs=relative(schedule.entry_widths),
+                                 chain_costs=relative(schedule.widths) if schedule.branches else ())
+    if draft_ms is not None:
+        priced = dataclasses.replace(priced, draft_cost=round(draft_ms / unit, 3), round_cost=round(round_ms / unit, 3))
+    return priced.prices()
 
 
-def time_mtp_steps(model: Model, window: int, *, batch: int = 1, steps: int = STEPS, runs: int = RUNS,
-                   cache_size: int = CACHE_SIZE) -> float:
-    """Milliseconds per MTP depth step as a drafting round runs it: depth 0 over `window` positions, writing its
-    cache in place, then its draft head on the last position (the head gathered once, as decoding does)."""
-    graphdef, state = nnx.split(model.module)
-    width = model.config.hidden_size
-
-    def loop(state, caches):
-        module = nnx.merge(graphdef, state)
-        head = module.draft_head() if getattr(module.cfg, "draft_vocab_size", 0) else None
-
-        def step(i, carry):
-            caches, prev, checksum = carry
-            tokens = jnp.ones((batch, window), jnp.int32)
-            positions = jnp.broadcast_to(START_POSITION + i + jnp.arange(window), (batch, window))  # [B, W]
-            out, _, caches = module.mtp_step(0, tokens, prev, positions, caches)
-            logits = module.draft_logits(out[:, -1], head) if head is not None else module.logits(out[:, -1])
-            return caches, out, checksum + logits[0, 0]  # a result that depends on every step
-
-        start = (caches, jnp.zeros((batch, window, width), model.dtype), jnp.zeros((), jnp.float32))
-        return jax.lax.fori_loop(0, steps, step, start)
-
-    run = jax.jit(loop, donate_argnums=1)
-    return _best_milliseconds(lambda caches: run(state, caches), model.module.init_mtp_cache(batch, cache_size,
-                                                                                             depths=1), steps, runs)
+def _drafts_timed(drafter) -> tuple[int, ...]:
+    """The forced draft lengths `time_loop` times: 1 and K for a drafter whose drafts cost work (its schedule's
+    estimate says so), none for copied drafts (prompt lookup)."""
+    schedule = drafter.schedule
+    if schedule.draft_cost == 0 and schedule.round_cost == 0:
+        return ()
+    return tuple(sorted({1, drafter.max_draft}))
 
 
-def block_draft_milliseconds(target: Model, drafter: Model, drafts: int, *, batch: int = 1,
-                             remeasure: bool = False) -> float:
-    """Milliseconds of one DFlash drafting round's own work for `batch` rows and `drafts` drafts, from the cache file
-    or measured now (`time_block_drafts`)."""
-    drafter_prefix = _key_prefix(drafter, verifying=False)
-    key = (f"{_key_prefix(target, verifying=True)}|block|{hashlib.sha256(drafter_prefix.encode()).hexdigest()[:16]}"
-           f"|{batch}x{drafts}")
-    stored = _stored([key], remeasure, lambda missing: {key: time_block_drafts(target, drafter, drafts, batch=batch)})
-    return stored[key]
+def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int, ...], prefix: str = "",
+              rounds_per_run: int = ROUNDS, runs: int = RUNS) -> dict[str, float]:
+    """Milliseconds a round of the compiled loop itself, on the call's own prompts and batch.
+
+    - `{prefix}|verify|{w}`: rounds that draft nothing and verify a block of w (the loop's `verify_floor`);
+    - with `drafts` (chains forced to d drafts for each d, verified at width d + 1): `{prefix}|draft`, one more
+      draft, and `{prefix}|round`, a drafting round's fixed work beyond its block and its drafts.
+
+    Every run reuses the executables: the prices, the verify floor, the forced length, the EOS tokens (none, so rows
+    run their rounds) and the confidence threshold (0, so every forced draft is proposed) are run-time inputs. The
+    fastest of `runs` runs of `rounds_per_run` rounds counts (the first also warms the executable)."""
+    tokens, prompt_lengths = call.prefill_args[2], call.prefill_args[3]
+    room = int(tokens.shape[1]) - int(np.max(np.asarray(prompt_lengths))) - call.spec.drafter.draft_slots - 2
+    budget = jnp.full_like(call.prefill_args[4], max(room, 2))
+
+    def per_round(forced: int, floor: int) -> tuple[float, float]:
+        """(milliseconds a round, drafts a round of the longest row) with `forced` drafts, verified at `floor` or
+        wider."""
+        timed = timing_inputs(call.inputs, forced, floor)
+        args = call.prefill_args[:4] + (budget,) + call.prefill_args[5:6] + (timed,) + call.prefill_args[7:]
+        best, drafted = float("inf"), 0.0
+        for _ in range(runs):
+            state = jax.block_until_ready(prefill(*args))
+            start = time.perf_counter()
+            state = rounds(call.target_state, call.assistant_state, state, timed,
+                           jnp.asarray(rounds_per_run, jnp.int32))
+            ran = int(state.counters.rounds)  # waits for the rounds
+            elapsed = time.perf_counter() - start
+            if ran and elapsed / ran < best:
+                best, drafted = elapsed / ran, float(np.max(np.asarray(state.counters.drafted))) / ran
+        return best * 1e3, drafted
+
+    measured = {f"{prefix}|verify|{w}": per_round(0, w)[0] for w in widths}
+    if drafts:
+        verify = {w: measured[f"{prefix}|verify|{w}"] for w in widths}
+        draft_ms, round_ms = fit_drafting(verify, [per_round(d, 1)[::-1] for d in drafts])
+        measured[f"{prefix}|draft"], measured[f"{prefix}|round"] = draft_ms, round_ms
+    return measured
 
 
-def time_block_drafts(target: Model, drafter: Model, drafts: int, *, batch: int = 1, steps: int = STEPS,
-                      runs: int = RUNS, cache_size: int = CACHE_SIZE) -> float:
-    """Milliseconds per DFlash drafting round as jaxspec/strategies/dflash.py runs one: the last round's K + 1 tapped
-    states projected and written into the drafter's context cache, one drafter forward over its block, and the
-    target's head (as verification holds it) over the `drafts` drafting positions. Besides the drafter's weights, a
-    block reads the whole head: on a small target that is a fifth of a step, which the drafter's weight share
-    leaves out."""
-    target_graphdef, target_state = nnx.split(target.module)
-    drafter_graphdef, drafter_state = nnx.split(drafter.module)
-    head = verify_head(target, target_state, None)
-    features = len(drafter.module.cfg.target_layer_ids) * target.config.hidden_size
-
-    def loop(target_state, drafter_state, head, cache):
-        target_module = nnx.merge(target_graphdef, target_state)
-        module = nnx.merge(drafter_graphdef, drafter_state)
-        head = target_module.head_matrix() if head is None else head
-
-        def step(i, carry):
-            cache, checksum = carry
-            start = START_POSITION + i * (drafts + 1)
-            written = jnp.broadcast_to(start - drafts - 1 + jnp.arange(drafts + 1), (batch, drafts + 1))
-            context = module.project_context(jnp.ones((batch, drafts + 1, features), target.dtype))
-            cache = module.write_context(context, written, cache)
-            block = module.block_tokens(jnp.ones((batch,), jnp.int32))  # [B, W]
-            embedded = target_module.embed_tokens(block)[..., : target.config.hidden_size]
-            positions = start - 1 + jnp.arange(block.shape[1])[None, :] + jnp.zeros((batch, 1), jnp.int32)
-            hidden = module.draft_block(embedded, positions, cache, jnp.full((batch,), start - 1, jnp.int32))
-            logits = module.logits(hidden[:, 1:drafts + 1], head)  # [B, K, V]
-            return cache, checksum + jnp.argmax(logits, axis=-1).sum().astype(jnp.float32)
-
-        return jax.lax.fori_loop(0, steps, step, (cache, jnp.zeros((), jnp.float32)))
-
-    run = jax.jit(loop, donate_argnums=3)
-    return _best_milliseconds(lambda cache: run(target_state, drafter_state, head, cache),
-                              drafter.module.init_cache(batch, cache_size), steps, runs)
+def timing_inputs(inputs, drafts: int, verify_floor: int):
+    """The loop's inputs for a timed run (`LoopInputs.forcing`): every round drafting `drafts` (-1: the schedule
+    decides) at a verify width of at least `verify_floor`, no EOS token (so rows run their rounds), and no
+    confidence threshold (so every forced draft is proposed)."""
+    processing = dataclasses.replace(inputs.processing, eos=jnp.full_like(inputs.processing.eos, -1))
+    draft_inputs = dict(inputs.draft_inputs)
+    if "confidence_threshold" in draft_inputs:
+        draft_inputs["confidence_threshold"] = jnp.zeros_like(draft_inputs["confidence_threshold"])
+    return dataclasses.replace(inputs.forcing(drafts, verify_floor), processing=processing, draft_inputs=draft_inputs)
 
 
-def head_round_milliseconds(target: Model, head: Model, drafts: int, window: int, *, batch: int = 1,
-                            remeasure: bool = False) -> float:
-    """Milliseconds of one EAGLE-3 drafting round's own work for `batch` rows, `drafts` drafts and a window of
-    `window` entries, from the cache file or measured now (`time_head_rounds`)."""
-    head_prefix = _key_prefix(head, verifying=False)
-    key = (f"{_key_prefix(target, verifying=True)}|eagle3|{hashlib.sha256(head_prefix.encode()).hexdigest()[:16]}"
-           f"|{batch}x{drafts}w{window}")
-    stored = _stored([key], remeasure, lambda missing: {
-        key: time_head_rounds(target, head, drafts, batch=batch, window=window)})
-    return stored[key]
+def fit_drafting(verify_ms: dict[int, float], rounds: list[tuple[float, float]]) -> tuple[float, float]:
+    """(milliseconds a draft, milliseconds of a drafting round's fixed work) from timed drafting rounds, each
+    (drafts a round of the longest row, milliseconds a round). A round of d drafts costs its verify block (the
+    narrowest width holding d + 1, from `verify_ms`), d drafts and the fixed work: a line through the rounds timed,
+    by the drafts the rows really proposed (a drafter may propose fewer than it was asked: universal decoding maps
+    some drafts to nothing). Neither part is negative: a busier machine during one run must not make drafts free."""
+    widest = max(verify_ms)
+    work = {max(drafts, 1e-3): ms - interpolate(verify_ms, min(widest, int(np.ceil(drafts)) + 1))
+            for drafts, ms in rounds}
+    (low, low_ms), (high, high_ms) = min(work.items()), max(work.items())
+    draft_ms = max((high_ms - low_ms) / (high - low) if high - low >= 0.5 else low_ms / low, 0.0)
+    return draft_ms, max(low_ms - low * draft_ms, 0.0)
 
 
-def time_head_rounds(target: Model, head: Model, drafts: int, *, batch: int = 1, steps: int = STEPS,
-                     runs: int = RUNS, cache_size: int = CACHE_SIZE, window: int | None = None) -> float:
-    """Milliseconds per EAGLE-3 drafting round as jaxspec/strategies/eagle3.py runs one with `drafts` drafts: the
-    last round's tapped states projected (fc) and stored, the head over its window of `window` entries (K + 1;
-    default drafts + 1), then drafts - 1 width-1 head steps; each draft's logits over the target's vocabulary.
-    `price_schedule` takes a draft's cost from the difference between 1 and K drafts, and the rest as the round's."""
-    from .strategies.eagle3 import draft_embedding
-
-    target_graphdef, target_state = nnx.split(target.module)
-    head_graphdef, head_state = nnx.split(head.module)
-    window = window or drafts + 1
-    taps = 3 * target.config.hidden_size
-    width = head.module.cfg.hidden_size
-
-    def loop(target_state, head_state, cache, features):
-        target_module = nnx.merge(target_graphdef, target_state)
-        module = nnx.merge(head_graphdef, head_state)
-
-        def embed(tokens):
-            return draft_embedding(target_module, module, tokens)
-
-        def step(i, carry):
-            cache, features, checksum = carry
-            start = START_POSITION + i * window
-            positions = jnp.broadcast_to(start + jnp.arange(window), (batch, window))  # [B, W]
-            g = module.project_features(jnp.ones((batch, window, taps), target.dtype))
-            features = features.at[jnp.arange(batch)[:, None], positions].set(g.astype(features.dtype))
-            out, cache = module.step(embed(jnp.ones((batch, window), jnp.int32)), g, positions, cache)
-            prev = out[:, -1:]
-            token = jnp.argmax(module.target_logits(prev[:, -1]), axis=-1)
-            for d in range(1, drafts):
-                prev, cache = module.step(embed(token[:, None]), prev, positions[:, -1:] + d, cache)
-                token = jnp.argmax(module.target_logits(prev[:, -1]), axis=-1)
-            return cache, features, checksum + token.sum().astype(jnp.float32)
-
-        return jax.lax.fori_loop(0, steps, step, (cache, features, jnp.zeros((), jnp.float32)))
-
-    run = jax.jit(loop, donate_argnums=(2, 3))
-
-    def timed(carry):
-        cache, features = carry
-        cache, features, checksum = run(target_state, head_state, cache, features)
-        return (cache, features), checksum
-
-    return _best_milliseconds(timed, (head.module.init_cache(batch, cache_size),
-                                      jnp.zeros((batch, cache_size, width), head.dtype)), steps, runs)
+def _loop_key_prefix(spec, target: Model, assistant: Model | None, batch: int) -> str:
+    """What a loop's round costs depend on: the machine and the target (`_key_prefix`), the assistant, the
+    drafter's static settings (its simple fields: lengths, layers, widths, tree), sampling, and the batch."""
+    drafter, schedule = spec.drafter, spec.drafter.schedule
+    simple = (int, float, str, bool, tuple, TreeShape, type(None))
+    settings = sorted((field.name, repr(getattr(drafter, field.name))) for field in dataclasses.fields(drafter)
+                      if field.compare and isinstance(getattr(drafter, field.name), simple))
+    assistant_key = None if assistant is None or assistant is target else _key_prefix(assistant, verifying=False)
+    described = repr((type(drafter).__name__, settings, schedule.kind, schedule.widths, schedule.entries_per_draft,
+                      schedule.node_budget, spec.verify_widths, spec.do_sample, assistant_key))
+    package = os.path.dirname(__file__)
+    code = _source_hash(package) + _source_hash(os.path.join(package, "strategies"))  # the loop's own code
+    described = hashlib.sha256((described + code).encode()).hexdigest()[:16]
+    return f"{_key_prefix(target, verifying=True)}|loop|{described}|{batch}x"
 
 
 def interpolate(milliseconds: dict[int, float], width: int) -> float:
@@ -328,11 +261,6 @@ def _source_hash(folder: str) -> str:
             with open(os.path.join(folder, name), "rb") as handle:
                 digest.update(name.encode() + handle.read())
     return digest.hexdigest()[:12]
-
-
-def _measure(model: Model, widths: tuple[int, ...], verifying: bool, batch: int) -> dict[int, float]:
-    head = verify_head(model, nnx.split(model.module)[1], None) if verifying else None
-    return time_forwards(model, widths, head, batch=batch)
 
 
 def time_forwards(model: Model, widths: tuple[int, ...], head=None, steps: int = STEPS, runs: int = RUNS,

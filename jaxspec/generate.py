@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from . import distributed, loop
-from .costs import price_schedule
+from .costs import price_loop
 from .head import verify_head
 from .loading import Model
 from .output import FinalState, GenerateOutput, Timings, unpack
@@ -132,16 +132,17 @@ def generate_with_drafter(
     prompts = PromptBatch.parse(input_ids, attention_mask, settings.pad_id, settings.eos_ids)
     control.check_batch(prompts.size)
     check_budget(model, prompts.rows, settings.max_new_tokens)
-    pricing_started = time.perf_counter()
-    if mesh is None:  # a sharded run keeps the fixed costs (jaxspec/costs.py)
-        drafter = price_schedule(drafter, model, assistant, batch=prompts.size)
-    pricing_seconds = time.perf_counter() - pricing_started  # measuring step costs compiles too
     call = _lay_out(model, assistant, prompts, drafter, settings, mesh=mesh, rules=sharding_rules or ShardingRules(),
                     chunk=prefill_chunk or default_prefill_chunk(), ensemble_weight=ensemble_weight,
                     return_logits=return_logits)
     compile_started = time.perf_counter()
     prefill, rounds = call.compile()
-    compile_seconds = time.perf_counter() - compile_started + pricing_seconds
+    # The adaptive schedule's prices, timed by running these executables once per machine (jaxspec/costs.py);
+    # they are run-time inputs, so nothing compiles again.
+    prices = price_loop(call, prefill, rounds, model, assistant, batch=prompts.size)
+    if prices is not None:
+        call = call.priced(prices)
+    compile_seconds = time.perf_counter() - compile_started  # measuring step costs counts here too
 
     decode_started = time.perf_counter()
     state = jax.block_until_ready(prefill(*call.prefill_args))
@@ -170,6 +171,13 @@ class _Call:
     inputs: loop.LoopInputs
     prefill_args: tuple
 
+    def priced(self, prices) -> "_Call":
+        """This call with the adaptive schedule's prices replaced (run-time inputs: the executables stay)."""
+        schedule = self.spec.drafter.schedule.with_prices(prices.on_host())
+        spec = dataclasses.replace(self.spec, drafter=dataclasses.replace(self.spec.drafter, schedule=schedule))
+        inputs = dataclasses.replace(self.inputs, prices=jax.tree.map(jnp.asarray, prices))
+        return dataclasses.replace(self, spec=spec, inputs=inputs)
+
     def compile(self):
         """(prefill, rounds) executables, from the compile cache when this spec and these shapes ran before."""
         prefill = loop.compile_loop(self.spec, "prefill", self.prefill_args)
@@ -192,9 +200,8 @@ def _lay_out(model: Model, assistant: Model | None, prompts: PromptBatch, drafte
             assistant_state = shard_state(assistant_state, mesh, rules)
     spec = loop.LoopSpec(target_graphdef, assistant_graphdef, drafter, settings.do_sample, settings.ngram_slots,
                          ensemble_weight, chunk, mesh, rules, bool(return_logits))
-    inputs = loop.LoopInputs(processing=jax.tree.map(jnp.asarray, settings.processing(model.config.vocab_size)),
-                             draft_inputs=jax.tree.map(jnp.asarray, drafter.runtime_inputs()),
-                             head=verify_head(model, target_state, mesh))
+    inputs = loop.LoopInputs.for_drafter(jax.tree.map(jnp.asarray, settings.processing(model.config.vocab_size)),
+                                         drafter, verify_head(model, target_state, mesh))
     prefill_args = (
         target_state,
         assistant_state,

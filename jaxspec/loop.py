@@ -28,6 +28,7 @@ from . import distributed, inplace
 from . import tree as tree_lib
 from .processors import Processing
 from .sampling import select
+from .schedule import Prices
 from .sharding import ShardingRules, constrain, named_sharding
 from .strategies.base import (Context, Counters, DecodeState, Drafter, DraftStep, PrefillChunk, RoundResult,
                              run_tapped_layers)
@@ -70,6 +71,24 @@ class LoopInputs:
     processing: Processing  # sampling and logits-processing settings (jaxspec.settings)
     draft_inputs: dict[str, jax.Array]  # the drafter's run-time settings (`Drafter.runtime_inputs`)
     head: jax.Array | None  # [D, V] the target's head for verifying forwards, on CPU (jaxspec/head.py); else None
+    prices: Prices | None = None  # the adaptive schedule's prices (None: the drafter's schedule is not priced)
+    # [] int32: no verify block narrower than this (1: the narrowest holding the round's drafts). Wider blocks
+    # verify the same drafts, so the output is unchanged; jaxspec/costs.py times the loop's rounds at each width.
+    verify_floor: jax.Array | int = 1
+
+    def forcing(self, drafts: int, verify_floor: int) -> "LoopInputs":
+        """These inputs with every round drafting `drafts` (a chain; -1: the schedule decides) and verifying a block
+        of at least `verify_floor`: the same executables, greedy output unchanged (jaxspec/costs.py times rounds
+        this way)."""
+        prices = dataclasses.replace(self.prices, forced_drafts=jnp.full_like(self.prices.forced_drafts, drafts))
+        return dataclasses.replace(self, prices=prices, verify_floor=jnp.full_like(self.verify_floor, verify_floor))
+
+    @staticmethod
+    def for_drafter(processing: Processing, drafter: Drafter, head) -> "LoopInputs":
+        schedule = getattr(drafter, "schedule", None)
+        prices = None if schedule is None else schedule.prices()
+        return LoopInputs(processing=processing, draft_inputs=jax.tree.map(jnp.asarray, drafter.runtime_inputs()),
+                          head=head, prices=jax.tree.map(jnp.asarray, prices), verify_floor=jnp.ones((), jnp.int32))
 
 
 @jax.tree_util.register_dataclass
@@ -115,6 +134,15 @@ def place(x: np.ndarray, mesh: Mesh | None, rules: ShardingRules) -> jax.Array:
     return distributed.global_array(x, named_sharding(axes, x.shape, mesh, rules))
 
 
+def _with_prices(spec: LoopSpec, inputs: LoopInputs) -> LoopSpec:
+    """The spec whose drafter's schedule decides by the run-time prices (traced here, so they compile nothing in)."""
+    schedule = getattr(spec.drafter, "schedule", None)
+    if schedule is None or inputs.prices is None:
+        return spec
+    return dataclasses.replace(spec, drafter=dataclasses.replace(spec.drafter,
+                                                                 schedule=schedule.with_prices(inputs.prices)))
+
+
 def _context(spec: LoopSpec, target_state, assistant_state, inputs: LoopInputs) -> Context:
     target = nnx.merge(spec.target_graphdef, target_state)
     assistant = nnx.merge(spec.assistant_graphdef, assistant_state) if spec.assistant_graphdef else None
@@ -127,6 +155,7 @@ def _prefill(spec: LoopSpec, target_state, assistant_state, tokens, prompt_lengt
     """Read every prompt in chunks of `spec.prefill_chunk` positions, pick each row's first token, build the state."""
     global _trace_count
     _trace_count += 1
+    spec = _with_prices(spec, inputs)
     ctx = _context(spec, target_state, assistant_state, inputs)
     target, drafter = ctx.target, spec.drafter
     batch, size = tokens.shape
@@ -187,6 +216,7 @@ def _rounds(spec: LoopSpec, target_state, assistant_state, state: DecodeState, i
     """Run rounds until every row is done, or `max_rounds` rounds have run (the state then resumes in a next call)."""
     global _trace_count
     _trace_count += 1
+    spec = _with_prices(spec, inputs)
     ctx = _context(spec, target_state, assistant_state, inputs)
     size = state.tokens.shape[1]
     k = spec.drafter.draft_slots
@@ -202,18 +232,18 @@ def _rounds(spec: LoopSpec, target_state, assistant_state, state: DecodeState, i
 
     def body(carry):
         state, rounds_run = carry
-        return _round(spec, ctx, state), rounds_run + 1
+        return _round(spec, ctx, state, inputs.verify_floor), rounds_run + 1
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
     return state
 
 
-def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
+def _round(spec: LoopSpec, ctx: Context, state: DecodeState, verify_floor) -> DecodeState:
     drafter, k = spec.drafter, spec.drafter.max_draft
     rng, draft_rng, verify_rng = jax.random.split(state.rng, 3)
     step = drafter.draft(ctx, state, state.drafter, draft_rng)
     count = jnp.where(state.done, 0, jnp.minimum(step.draft.count, drafter.draft_slots))  # [B] drafts (tree: nodes)
-    checked, cache = _verify_round(spec, ctx, state, step, count, verify_rng)
+    checked, cache = _verify_round(spec, ctx, state, step, count, verify_rng, verify_floor)
     n, verified = checked.accepted, checked.tokens
 
     rows = jnp.arange(count.shape[0])
@@ -248,8 +278,8 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState) -> DecodeState:
                                rng=rng, counters=counters, scores=scores)
 
 
-def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftStep, count,
-                  rng) -> tuple[VerifyResult, Any]:
+def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftStep, count, rng,
+                  verify_floor) -> tuple[VerifyResult, Any]:
     """The target scores `[last, d_1 .. d_W-1]` and verify decides: -> (VerifyResult, the target cache).
 
     The block width W is chosen at run time among `spec.verify_widths`, so a round with few drafts does not pay
@@ -321,14 +351,16 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftS
         return cache, VerifyResult(verdict.accepted, to_k1(verdict.tokens), path_k1(out.hidden), kept,
                                    _maybe(path_k1, out.features), drafted=jnp.max(depths, axis=1), on_chain=on_chain)
 
+    width = jnp.maximum(jnp.max(count) + 1, verify_floor)  # [] the narrowest block that holds every row's drafts
+
     def drafted_step(cache):
         wide = [w for w in spec.verify_widths if w > 1]
-        index = jnp.searchsorted(jnp.asarray(wide), jnp.max(count) + 1)
+        index = jnp.minimum(jnp.searchsorted(jnp.asarray(wide), width), len(wide) - 1)
         block = verify_block if spec.drafter.tree is None else verify_tree_block
         return inplace.switch(index, [functools.partial(block, w) for w in wide], cache)
 
     # The cache is the only state the branches update (in place: see jaxspec.inplace).
-    cache, checked = inplace.cond(jnp.max(count) > 0, drafted_step, plain_step, step.target_cache)
+    cache, checked = inplace.cond(width > 1, drafted_step, plain_step, step.target_cache)
     return checked, cache
 
 
@@ -358,7 +390,7 @@ def _priced_round(drafter: Drafter, count, nodes=None) -> jax.Array:
     schedules that are not priced. Costs the model does not hold (catch-up blocks, a drafter's work in rounds without
     drafts, the round's own overhead) are what sets it apart from the measured speedup."""
     schedule = getattr(drafter, "schedule", None)
-    if schedule is None or not schedule.verify_costs:
+    if schedule is None or not schedule.priced:
         return jnp.zeros((), jnp.float32)
     # A tree round that verified alternatives beside its chain (count: depths; nodes: what the block held).
     branched = jnp.zeros((), bool) if nodes is None else jnp.max(nodes - count) > 0

@@ -8,11 +8,11 @@ measures those prices on the decoding machine. See docs/design.md, 'The adaptive
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 if TYPE_CHECKING:
     from .strategies.base import RoundResult
@@ -59,6 +59,34 @@ def default_verify_costs(widths: tuple[int, ...]) -> tuple[float, ...]:
     return tuple(1.0 + 0.02 * (w - 1) for w in widths)
 
 
+def _price(default=()):
+    """A field the compile key leaves out: its value enters the loop as an array (`Prices`)."""
+    return dataclasses.field(default=default, compare=False)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Prices:
+    """The adaptive schedule's prices as the loop's run-time inputs (`Schedule.prices`, `Schedule.with_prices`)."""
+
+    verify_costs: jax.Array  # [N] float32
+    chain_costs: jax.Array  # [N] float32 (a tree schedule's chain blocks; else equal to verify_costs)
+    draft_cost: jax.Array  # [] float32
+    round_cost: jax.Array  # [] float32
+    forced_drafts: jax.Array  # [] int32
+
+    def on_host(self) -> Prices:
+        """The prices as Python numbers (tuples for widths), as a Schedule holds them outside the loop (float32
+        arrays read back to the 6 decimals they hold)."""
+        def number(x):
+            return round(float(x), 6)
+
+        return Prices(verify_costs=tuple(map(number, np.asarray(self.verify_costs))),
+                      chain_costs=tuple(map(number, np.asarray(self.chain_costs))),
+                      draft_cost=number(self.draft_cost), round_cost=number(self.round_cost),
+                      forced_drafts=int(self.forced_drafts))
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """How a row's draft length follows what verification accepted.
@@ -86,18 +114,23 @@ class Schedule:
     # (`Drafter.runtime_inputs`), not part of the compiled program: HF's "heuristic" schedule changes it every call.
     initial: int = dataclasses.field(default=1, compare=False)
     widths: tuple[int, ...] = ()  # the verify widths of the loop (adaptive); () means the cap alone decides
-    verify_costs: tuple[float, ...] = ()  # the cost of each width, in plain steps
-    draft_cost: float = 0.0  # the cost of proposing one draft, in plain steps (0 for copied drafts)
-    # The cost of any round that drafts at all, however many drafts it verifies, in plain steps: a block drafter
-    # (DFlash) drafts its whole block in one forward.
-    round_cost: float = 0.0
+    # The prices, in plain steps. Run-time inputs of the loop (`Prices`), not part of the compiled program: costs
+    # measured on another machine or day reuse the executable, and jaxspec/costs.py measures them by running it.
+    verify_costs: tuple[float, ...] = _price()  # the cost of each width
+    draft_cost: float = _price(0.0)  # the cost of proposing one draft (0 for copied drafts)
+    # The cost of any round that drafts at all, however many drafts it verifies: a block drafter (DFlash) drafts its
+    # whole block in one forward; an autoregressive one pays its first step's fixed work.
+    round_cost: float = _price(0.0)
     # Verify-block entries per draft: 1 for a chain; a tree that keeps F candidates at each depth verifies F per
     # depth, so its "drafts" are depths and width w's cost (`verify_costs`) is that of a block of F (w - 1) + 1
     # entries. Such a schedule also prices the chain alone at each depth (`chain_costs`, blocks of w entries) and
     # picks, each round, the depth and whether to branch.
     entries_per_draft: int = 1
-    chain_costs: tuple[float, ...] = ()
+    chain_costs: tuple[float, ...] = _price()
     node_budget: int = 0  # a tree's N where it keeps fewer than F per depth (its block: min(F d, N) + 1); 0: none
+    # When >= 0 (a run-time input, -1 otherwise), every round drafts this many, chains only, and never probes: how
+    # jaxspec/costs.py times a drafting round of the compiled loop itself.
+    forced_drafts: int = _price(-1)
 
     PRIOR_ACCEPTANCE = 0.6  # before any evidence, a row assumes this acceptance ...
     PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
@@ -114,14 +147,43 @@ class Schedule:
                            branch_accepted=self.PRIOR_ACCEPTANCE * prior, branch_judged=prior)
 
     @property
-    def probe_spacing(self) -> int:
-        """How many times longer than 1, 2, 4, ... rounds a row waits between probes: a probe that costs more than
-        PROBE_UNIT of a plain step (a draft plus a two-token verify block) comes that many times less often, so
-        that idle probing stays within a few percent for any drafter."""
+    def priced(self) -> bool:
+        """Whether the schedule decides by prices (adaptive, with verify widths to choose among)."""
+        return self.kind == "adaptive" and bool(self.widths)
+
+    def prices(self) -> Prices | None:
+        """The prices as arrays for the loop's run-time inputs (None where the schedule is not priced)."""
+        if not self.priced:
+            return None
+        return Prices(verify_costs=np.asarray(self.verify_costs, np.float32),
+                      chain_costs=np.asarray(self._chain_costs, np.float32),
+                      draft_cost=np.float32(self.draft_cost), round_cost=np.float32(self.round_cost),
+                      forced_drafts=np.int32(self.forced_drafts))
+
+    def with_prices(self, prices: Prices | None) -> Schedule:
+        """This schedule deciding by `prices` (traced arrays inside the loop; host values from costs.py)."""
+        if prices is None:
+            return self
+        chain = prices.chain_costs if self.branches else ()
+        return dataclasses.replace(self, verify_costs=prices.verify_costs, chain_costs=chain,
+                                   draft_cost=prices.draft_cost, round_cost=prices.round_cost,
+                                   forced_drafts=prices.forced_drafts)
+
+    @property
+    def forced(self) -> jax.Array:
+        """[] bool: the rounds draft `forced_drafts` (costs.py timing the loop)."""
+        return jnp.asarray(self.forced_drafts) >= 0
+
+    @property
+    def probe_spacing(self) -> jax.Array:
+        """[] int32: how many times longer than 1, 2, 4, ... rounds a row waits between probes: a probe that costs
+        more than PROBE_UNIT of a plain step (a draft plus a two-token verify block) comes that many times less
+        often, so that idle probing stays within a few percent for any drafter."""
         if 2 not in self.widths:
-            return 1
-        probe_cost = self._chain_costs[self.widths.index(2)] - 1 + self.draft_cost + self.round_cost
-        return max(1, math.ceil(probe_cost / self.PROBE_UNIT - 1e-9))
+            return jnp.ones((), jnp.int32)
+        probe_cost = (jnp.asarray(self._chain_costs, jnp.float32)[self.widths.index(2)] - 1 + self.draft_cost
+                      + self.round_cost)
+        return jnp.maximum(1, jnp.ceil(probe_cost / self.PROBE_UNIT - 1e-6)).astype(jnp.int32)
 
     @property
     def entry_widths(self) -> tuple[int, ...]:
@@ -131,7 +193,7 @@ class Schedule:
     @property
     def branches(self) -> bool:
         """Whether the schedule chooses each round between a chain and a tree (an adaptive tree schedule)."""
-        return self.entries_per_draft > 1 and bool(self.chain_costs)
+        return self.entries_per_draft > 1 and self.priced
 
     @property
     def _chain_costs(self) -> tuple[float, ...]:
@@ -153,25 +215,26 @@ class Schedule:
             return jnp.asarray(self.entries_per_draft, jnp.int32)
         active = _all_rows(state) if active is None else active
         depth, branching = self.choice(state, active)
-        return jnp.where(depth > 0, branching, 1).astype(jnp.int32)  # a probe drafts the chain
+        return jnp.where((depth > 0) & ~self.forced, branching, 1).astype(jnp.int32)  # a probe drafts the chain
     def allowed(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
         """[B] how many drafts each row may propose this round. `active`: [B] bool, the rows still decoding (all
         when None); the batch's choice prices their expected tokens only."""
-        if self.kind != "adaptive" or not self.widths:
+        if not self.priced:
             return state.num_tokens
         active = _all_rows(state) if active is None else active
         best = self.paying_length(state, active)
         # Nothing pays: a one-draft probe for the whole batch when some row's cooldown is over.
         probe = jnp.any(active & (state.cooldown == 0)).astype(jnp.int32)
-        return jnp.broadcast_to(jnp.where(best > 0, best, probe), state.num_tokens.shape).astype(jnp.int32)
+        chosen = jnp.where(self.forced, self.forced_drafts, jnp.where(best > 0, best, probe))
+        return jnp.broadcast_to(chosen, state.num_tokens.shape).astype(jnp.int32)
 
     def probing(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
         """[] bool: the batch drafts this round only as a probe (adaptive: drafting does not pay, a cooldown is
         over)."""
-        if self.kind != "adaptive" or not self.widths:
+        if not self.priced:
             return jnp.zeros((), bool)
         active = _all_rows(state) if active is None else active
-        return (self.paying_length(state, active) == 0) & jnp.any(active & (state.cooldown == 0))
+        return (self.paying_length(state, active) == 0) & jnp.any(active & (state.cooldown == 0)) & ~self.forced
 
     def paying_length(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
         """[] the draft length with the most expected tokens per cost over the batch's `active` rows (adaptive); 0

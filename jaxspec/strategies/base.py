@@ -208,18 +208,6 @@ class Drafter:
     # A tree's static budget (jaxspec/tree.py): the drafter proposes a DraftTree of up to tree.nodes nodes, verified
     # in one tree-shaped forward; None: a chain of up to K drafts.
     tree: TreeShape | None = None
-    # Whether each draft costs one forward of a separate assistant model: then jaxspec/costs.py prices a draft by
-    # timing that forward, instead of keeping the schedule's share-of-weights estimate.
-    drafts_with_assistant_forwards = False
-    # Whether each draft is one MTP depth step of the target over a window of K + 1 positions: then costs.py times
-    # that step (its weight share says far less on a CPU, where a thin layer's fixed costs dominate its bytes).
-    drafts_with_mtp_steps = False
-    # Whether a round's drafts come from one forward of a block drafter (DFlash): then costs.py times that round's
-    # drafting work (its context write, the block forward, the target's head over the drafts) as `round_cost`.
-    drafts_with_block_forward = False
-    # Whether a round's drafts come from a feature head (EAGLE-3): one head forward over a window of K + 1 entries,
-    # then a width-1 head step per further draft: costs.py times both (`round_cost`, `draft_cost`).
-    drafts_with_head_steps = False
     # Decoder layers (0-based, ascending) whose outputs the drafter reads (block and EAGLE-style drafters): the loop
     # taps them in every target forward and hands them over with the prompt's chunks and each verified round.
     feature_layers: tuple[int, ...] = ()

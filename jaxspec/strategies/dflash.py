@@ -49,7 +49,6 @@ class BlockState:
 class BlockDrafter(Drafter):
     schedule: Schedule = Schedule()
     keep_probs: bool = False
-    drafts_with_block_forward = True
     # The context's layers in the drafter's order (target_layer_ids); feature_layers holds them sorted and unique,
     # as the loop taps them. `final_layer`: the target's last layer, whose tap enters the context final-normed
     # (transformers' hidden_states[-1] is).

@@ -198,7 +198,6 @@ class DraftModelState:
 @dataclasses.dataclass(frozen=True)
 class DraftModelDrafter(AutoregressiveDrafter):
     catch_up_width: int = 64  # the chunk width when the assistant is far behind (the prompt, after skipped rounds)
-    drafts_with_assistant_forwards = True
 
     def init(self, ctx: Context, batch: int, size: int) -> DraftModelState:
         return DraftModelState(cache=ctx.assistant.init_cache(batch, size), synced=jnp.zeros((batch,), jnp.int32),

@@ -80,7 +80,6 @@ class Eagle3State:
 class Eagle3Drafter(Drafter):
     schedule: Schedule = Schedule()
     keep_probs: bool = False
-    drafts_with_head_steps = True
     # The head's three target layers in its order (fc's input order); feature_layers holds them sorted, as the loop
     # taps them.
     context_layers: tuple[int, ...] = ()

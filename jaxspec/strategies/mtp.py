@@ -67,7 +67,6 @@ class MtpDrafter(Drafter):
     num_layers: int = 1  # MTP layers in the checkpoint; depths >= num_layers reuse the last one
     keep_probs: bool = False
     schedule: Schedule = Schedule()
-    drafts_with_mtp_steps = True
 
     def runtime_inputs(self) -> dict[str, np.ndarray]:
         return {"initial_draft_length": np.int32(self.schedule.initial)}

@@ -106,7 +106,6 @@ class UniversalDrafter(AutoregressiveDrafter):
     assistant_merge_probes: int = 1  # ... and of the assistant's
     catch_up_width: int = 64
     vocab_map: VocabMap | None = dataclasses.field(default=None, compare=False)
-    drafts_with_assistant_forwards = True
     # Set per call by `for_prompts` (run-time inputs, so a new prompt of the same bucket does not recompile).
     prompt_inputs: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, compare=False)
 

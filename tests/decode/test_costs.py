@@ -1,15 +1,25 @@
-"""Step costs measured on the machine (jaxspec/costs.py): what the adaptive schedule prices drafts with."""
+"""Step costs measured on the machine (jaxspec/costs.py): the adaptive schedule's prices, timed by running the
+compiled loop itself at forced verify widths and draft lengths, and entering it as run-time inputs."""
 
 from __future__ import annotations
 
 import json
+import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec import costs
-from jaxspec.strategies import DraftingConfig, choose_strategy
+from jaxspec import costs, loop
+from jaxspec.prompts import PromptBatch
+from jaxspec.schedule import make_schedule
+from jaxspec.settings import SamplingConfig
+from jaxspec.sharding import ShardingRules
+from jaxspec.strategies import DraftingConfig, choose_strategy, default_prefill_chunk
+
+GENERATE = sys.modules["jaxspec.generate"]  # the module (jaxspec.generate is also the function)
+IDS = np.array([[5, 17, 29, 41, 53, 65, 77, 89]], np.int32)
 
 
 @pytest.fixture
@@ -25,105 +35,161 @@ def pair(tiny_llama_dir, tiny_llama_draft_dir):
     return jaxspec.load(tiny_llama_dir), jaxspec.load(tiny_llama_draft_dir)
 
 
-def test_measured_costs_price_the_schedule_once_per_machine(measuring, pair, monkeypatch):
+def _spy(monkeypatch, module, name):
+    """Record what module.name returns (and how many executables were traced while it ran)."""
+    real, calls = getattr(module, name), []
+
+    def spy(*args, **kwargs):
+        before = loop.trace_count()
+        result = real(*args, **kwargs)
+        calls.append((result, loop.trace_count() - before))
+        return result
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def _stored_parts(folder) -> dict[str, float]:
+    """The cache file's entries by what they price ('verify|2', 'draft', ...), keyed by the batch bucket too."""
+    stored = json.loads((folder / costs.CACHE_FILE).read_text())
+    return {key.split("|loop|")[1].split("|", 1)[1]: ms for key, ms in stored.items()}
+
+
+def test_prices_are_timed_in_the_compiled_loop_once_per_machine(measuring, pair, monkeypatch):
+    """The first measuring call times rounds of its own executables (compiling nothing more), stores milliseconds per
+    round, and decodes with the prices they give; a later call reads the file; the output equals plain greedy."""
     target, assistant = pair
-    choice = choose_strategy(target, DraftingConfig(assistant_model=assistant, num_assistant_tokens=4), do_sample=False)
-    assert choice.drafter.schedule.widths == (1, 2, 4, 5)
-    priced = costs.price_schedule(choice.drafter, target, choice.assistant)
+    plain = jaxspec.generate(target, IDS, max_new_tokens=12)
+    monkeypatch.setenv("JAXSPEC_STEP_COSTS", "default")
+    jaxspec.generate(target, IDS, max_new_tokens=12, assistant_model=assistant, num_assistant_tokens=4)
+    monkeypatch.setenv("JAXSPEC_STEP_COSTS", "measure")
+    timings, priced = _spy(monkeypatch, costs, "time_loop"), _spy(monkeypatch, GENERATE, "price_loop")
+    before = loop.trace_count()
+    assisted = jaxspec.generate(target, IDS, max_new_tokens=12, assistant_model=assistant, num_assistant_tokens=4)
+    assert loop.trace_count() == before  # the measured prices are inputs of the executables the default prices ran
+    np.testing.assert_array_equal(assisted.sequences, plain.sequences)
+    assert len(timings) == 1
+    parts = _stored_parts(measuring)
+    # Widths 1, 2 and K + 1 = 5 of the loop's (1, 2, 4, 5); a draft and a drafting round's fixed work.
+    assert sorted(parts) == ["1x|draft", "1x|round", "1x|verify|1", "1x|verify|2", "1x|verify|5"]
+    schedule = choose_strategy(target, DraftingConfig(assistant_model=assistant, num_assistant_tokens=4),
+                               do_sample=False).drafter.schedule
+    expected = costs.loop_prices(schedule, {w: parts[f"1x|verify|{w}"] for w in (1, 2, 5)}, parts["1x|draft"],
+                                 parts["1x|round"])
+    prices = priced[0][0]
+    assert prices.on_host() == expected.on_host()
+    assert prices.verify_costs[0] == 1.0 and np.all(np.diff(prices.verify_costs) >= 0) and prices.draft_cost > 0
 
-    stored = json.loads((measuring / costs.CACHE_FILE).read_text())
-    verify = {int(key.rsplit("|", 1)[1]): ms for key, ms in stored.items() if "|verify|" in key}
-    draft = [ms for key, ms in stored.items() if "|draft|" in key]
-    assert sorted(verify) == [1, 2, 5] and len(draft) == 1  # width 4 is interpolated, not compiled
-    schedule = priced.schedule
-    # Relative to width 1, width 4 interpolated between 2 and 5, and never below a narrower width's price.
-    relative = [1.0, verify[2] / verify[1], (verify[2] + 2 * verify[5]) / 3 / verify[1], verify[5] / verify[1]]
-    assert schedule.verify_costs == pytest.approx(tuple(np.maximum.accumulate(relative)), abs=0.006)
-    assert schedule.draft_cost == pytest.approx(draft[0] / verify[1], abs=0.0006)
-
-    # The next call reads the file: nothing is timed again.
-    def no_timing(*args, **kwargs):
-        raise AssertionError("step costs were measured again")
-
-    monkeypatch.setattr(costs, "time_forwards", no_timing)
-    assert costs.price_schedule(choice.drafter, target, choice.assistant) == priced
+    # The next call reads the file: nothing is timed again, and it decodes with the same prices.
+    monkeypatch.setattr(costs, "time_loop", lambda *args, **kwargs: pytest.fail("step costs were timed again"))
+    again = jaxspec.generate(target, IDS, max_new_tokens=12, assistant_model=assistant, num_assistant_tokens=4)
+    np.testing.assert_array_equal(again.sequences, plain.sequences)
+    assert priced[1][0].on_host() == prices.on_host()
 
 
-def test_remeasure_overwrites_and_widths_between_are_interpolated(measuring, pair, monkeypatch):
+def test_forced_rounds_and_verify_floors_keep_greedy_output(pair):
+    """How costs.py times the loop: every round forced to draft d, or to verify a block wider than its drafts (with
+    no EOS and no confidence threshold). All are run-time inputs of one executable, and none changes what greedy
+    decoding commits."""
     target, assistant = pair
-    choice = choose_strategy(target, DraftingConfig(assistant_model=assistant, num_assistant_tokens=4), do_sample=False)
-    costs.price_schedule(choice.drafter, target, choice.assistant)  # stored
-    timed = {True: {1: 10.0, 2: 16.0, 5: 22.0}, False: {1: 4.0}}  # target (verifying), assistant (drafting)
-    monkeypatch.setattr(costs, "time_forwards",
-                        lambda model, widths, head=None, batch=1: {w: timed[model is target][w] for w in widths})
-    monkeypatch.setenv("JAXSPEC_STEP_COSTS", "remeasure")
-    schedule = costs.price_schedule(choice.drafter, target, choice.assistant).schedule
+    choice = choose_strategy(target, DraftingConfig(assistant_model=assistant, num_assistant_tokens=4),
+                             do_sample=False)
+    settings = SamplingConfig(max_new_tokens=12).resolve(target)
+    prompts = PromptBatch.parse(np.concatenate([IDS, IDS[:, ::-1]]), None, settings.pad_id, settings.eos_ids)
+    call = GENERATE._lay_out(target, choice.assistant, prompts, choice.drafter, settings, mesh=None,
+                             rules=ShardingRules(), chunk=default_prefill_chunk(), ensemble_weight=None,
+                             return_logits=False)
+    prefill, rounds = call.compile()
+    traced = loop.trace_count()
+
+    def run(drafts: int, floor: int):
+        inputs = costs.timing_inputs(call.inputs, drafts, floor)
+        args = call.prefill_args[:6] + (inputs,) + call.prefill_args[7:]
+        state = rounds(call.target_state, call.assistant_state, prefill(*args), inputs, jnp.asarray(99, jnp.int32))
+        return np.asarray(state.tokens), np.asarray(state.counters.drafted), int(state.counters.rounds)
+
+    reference, _, _ = run(-1, 1)
+    for drafts, floor in ((0, 5), (0, 2), (1, 1), (4, 1)):
+        tokens, drafted, ran = run(drafts, floor)
+        np.testing.assert_array_equal(tokens, reference)
+        # Each row drafts what it was told while its budget lasts (its last d rounds have room for fewer).
+        assert drafts * (ran - drafts) <= drafted.min() and drafted.max() <= drafts * ran
+    assert loop.trace_count() == traced
+
+
+def test_prices_from_the_loop_timings():
+    """Widths relative to a round that drafts nothing; widths between the measured ones interpolated; a wider block
+    never priced below a narrower one; draft prices kept where drafts are not timed; a tree also prices its chain."""
+    schedule = make_schedule("adaptive", 1, 4, draft_cost=0.25)
+    assert schedule.widths == (1, 2, 4, 5)
+    prices = costs.loop_prices(schedule, {1: 10.0, 2: 16.0, 5: 22.0}, 4.0, 1.0).on_host()
     # Width 4 lies two thirds of the way from 2 to 5: 16 + (22 - 16) * 2 / 3 = 20 ms.
-    assert schedule.verify_costs == (1.0, 1.6, 2.0, 2.2)
-    assert schedule.draft_cost == 0.4
-    monkeypatch.setenv("JAXSPEC_STEP_COSTS", "measure")  # the file now holds the new figures
-    assert costs.price_schedule(choice.drafter, target, choice.assistant).schedule == schedule
+    assert prices.verify_costs == (1.0, 1.6, 2.0, 2.2) and (prices.draft_cost, prices.round_cost) == (0.4, 0.1)
+    busy = costs.loop_prices(schedule, {1: 10.0, 2: 16.0, 5: 9.0}).on_host()
+    assert busy.verify_costs == (1.0, 1.6, 1.6, 1.6) and (busy.draft_cost, busy.round_cost) == (0.25, 0.0)
+    tree = make_schedule("adaptive", 1, 2, draft_cost=0.1, entries_per_draft=3)  # depths 1, 2: blocks of 4 and 7
+    assert tree.widths == (1, 2, 3) and tree.entry_widths == (1, 4, 7)
+    prices = costs.loop_prices(tree, {1: 10.0, 2: 12.0, 7: 22.0}).on_host()
+    assert prices.verify_costs == (1.0, 1.6, 2.2) and prices.chain_costs == (1.0, 1.2, 1.4)
+
+
+def test_drafting_is_fitted_through_the_drafts_really_proposed():
+    """A round of d drafts = its verify block + d drafts + the round's fixed work; a drafter that proposed fewer than
+    it was asked is fitted at what it proposed; a busy run makes no part negative."""
+    verify = {1: 10.0, 2: 16.0, 5: 22.0}
+    assert costs.fit_drafting(verify, [(1.0, 16 + 4 + 1), (4.0, 22 + 16 + 1)]) == pytest.approx((4.0, 1.0))
+    assert costs.fit_drafting(verify, [(1.0, 21.0), (3.0, 20 + 12 + 1)]) == pytest.approx((4.0, 1.0))  # width 4
+    assert costs.fit_drafting(verify, [(1.0, 30.0), (4.0, 30.0)]) == pytest.approx((0.0, 14.0))
+    assert costs.fit_drafting(verify, [(1.0, 15.0)]) == (0.0, 0.0)
 
 
 def test_costs_are_measured_at_the_batch_that_decodes(measuring, pair, monkeypatch):
-    """A verify block is priced at the call's batch (rounded up to a power of two): a [8, W] block costs more plain
-    steps than a [1, W] one on a CPU, and batch-1 figures would make a batch draft where it does not pay."""
-    target, assistant = pair
+    """A verify block is priced at the call's batch (stored for its power-of-two bucket): a [8, W] block costs more
+    plain steps than a [1, W] one on a CPU, and batch-1 figures would make a batch draft where it does not pay."""
+    target, _ = pair
     seen = []
 
-    def timed(model, widths, head=None, batch=1):
+    def timed(call, prefill, rounds, widths, drafts, prefix, **kwargs):
+        batch = call.prefill_args[2].shape[0]
         seen.append(batch)
-        return {w: 10.0 + (w - 1) * (1.0 if batch == 1 else 8.0) for w in widths}
+        return {f"{prefix}|verify|{w}": 10.0 + (w - 1) * (1.0 if batch == 1 else 8.0) for w in widths}
 
-    monkeypatch.setattr(costs, "time_forwards", timed)
-    lookup = choose_strategy(target, DraftingConfig(prompt_lookup_num_tokens=4), do_sample=False).drafter
-    alone = costs.price_schedule(lookup, target, None, batch=1).schedule
-    batched = costs.price_schedule(lookup, target, None, batch=5).schedule
-    assert seen == [1, 8] and costs.cost_batch(5) == 8 and costs.cost_batch(1000) == costs.MAX_COST_BATCH
-    assert alone.verify_costs == (1.0, 1.1, 1.3, 1.4) and batched.verify_costs == (1.0, 1.8, 3.4, 4.2)
-    stored = json.loads((measuring / costs.CACHE_FILE).read_text())
-    assert sorted(key.rsplit("|", 1)[1] for key in stored) == ["1", "2", "5", "8x1", "8x2", "8x5"]
-    assert costs.price_schedule(lookup, target, None, batch=7).schedule == batched and seen == [1, 8]  # stored
-
-
-def test_a_wider_block_is_never_priced_below_a_narrower_one(measuring, pair, monkeypatch):
-    """A busy machine can time a narrow block slower than a wide one; the wide one holds the narrow one's work, so
-    its price is raised to it (a stored bargain would make every later call draft where it does not pay)."""
-    target, _ = pair
-    monkeypatch.setattr(costs, "time_forwards",
-                        lambda model, widths, head=None, batch=1: {w: {1: 10.0, 2: 16.0, 5: 9.0}[w] for w in widths})
-    lookup = choose_strategy(target, DraftingConfig(prompt_lookup_num_tokens=4), do_sample=False).drafter
-    assert costs.price_schedule(lookup, target, None).schedule.verify_costs == (1.0, 1.6, 1.6, 1.6)
+    monkeypatch.setattr(costs, "time_loop", timed)
+    priced = _spy(monkeypatch, GENERATE, "price_loop")
+    for rows in (1, 2, 2):
+        jaxspec.generate(target, np.repeat(IDS, rows, axis=0), max_new_tokens=8, prompt_lookup_num_tokens=4)
+    assert seen == [1, 2] and costs.cost_batch(5) == 8 and costs.cost_batch(1000) == costs.MAX_COST_BATCH
+    alone, batched, stored = (prices.on_host().verify_costs for prices, _ in priced)
+    assert alone == (1.0, 1.1, 1.3, 1.4) and batched == stored == (1.0, 1.8, 3.4, 4.2)
+    assert sorted(_stored_parts(measuring)) == ["1x|verify|1", "1x|verify|2", "1x|verify|5", "2x|verify|1",
+                                                "2x|verify|2", "2x|verify|5"]  # copied drafts: no draft price
 
 
-def test_what_measurement_leaves_alone(measuring, pair, monkeypatch):
+def test_remeasure_overwrites_and_what_measurement_leaves_alone(measuring, pair, monkeypatch):
     target, assistant = pair
-    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, head=None, batch=1: {w: 10.0 + w for w in widths})
-    lookup = choose_strategy(target, DraftingConfig(prompt_lookup_num_tokens=4), do_sample=False).drafter
-    priced = costs.price_schedule(lookup, target, None).schedule
-    assert priced.draft_cost == 0.0 and priced.verify_costs == (1.0, 1.09, 1.27, 1.36)  # copied drafts cost nothing
-    early_exit = choose_strategy(target, DraftingConfig(assistant_early_exit=2), do_sample=False).drafter
-    assert costs.price_schedule(early_exit, target, None).schedule.draft_cost == early_exit.schedule.draft_cost
-    constant = choose_strategy(target, DraftingConfig(assistant_model=assistant,
-                                                      num_assistant_tokens_schedule="constant"), do_sample=False).drafter
-    assert costs.price_schedule(constant, target, assistant) is constant  # nothing to price
+    monkeypatch.setattr(costs, "time_loop", lambda call, prefill, rounds, widths, drafts, prefix, **kwargs:
+                        {f"{prefix}|verify|{w}": 10.0 + w for w in widths})
+    jaxspec.generate(target, IDS, max_new_tokens=8, prompt_lookup_num_tokens=4)
+    monkeypatch.setattr(costs, "time_loop", lambda call, prefill, rounds, widths, drafts, prefix, **kwargs:
+                        {f"{prefix}|verify|{w}": 20.0 + w for w in widths})
+    monkeypatch.setenv("JAXSPEC_STEP_COSTS", "remeasure")
+    jaxspec.generate(target, IDS, max_new_tokens=8, prompt_lookup_num_tokens=4)
+    assert _stored_parts(measuring)["1x|verify|5"] == 25.0
+
+    # Nothing to price: a constant schedule, the fixed figures, a sharded run.
+    monkeypatch.setattr(costs, "time_loop", lambda *args, **kwargs: pytest.fail("timed what is not priced"))
+    priced = _spy(monkeypatch, GENERATE, "price_loop")
+    jaxspec.generate(target, IDS, max_new_tokens=8, assistant_model=assistant,
+                     num_assistant_tokens_schedule="constant")
     monkeypatch.setenv("JAXSPEC_STEP_COSTS", "default")
-    assert costs.price_schedule(lookup, target, None) is lookup
-
-
-def test_generate_measures_costs_and_still_equals_plain_greedy(measuring, pair):
-    target, assistant = pair
-    ids = np.array([[5, 17, 29, 41, 53, 65, 77, 89]], np.int32)
-    plain = jaxspec.generate(target, ids, max_new_tokens=12)
-    assisted = jaxspec.generate(target, ids, max_new_tokens=12, assistant_model=assistant)
-    np.testing.assert_array_equal(assisted.sequences, plain.sequences)
-    assert (measuring / costs.CACHE_FILE).exists()
+    jaxspec.generate(target, IDS, max_new_tokens=8, prompt_lookup_num_tokens=4)
+    assert [prices for prices, _ in priced] == [None, None]
 
 
 def test_a_misspelt_mode_is_named_before_anything_compiles(measuring, pair, monkeypatch):
     target, assistant = pair
     monkeypatch.setenv("JAXSPEC_STEP_COSTS", "measured")
-    monkeypatch.setattr(costs, "time_forwards", lambda *args, **kwargs: pytest.fail("timed with a bad mode"))
+    monkeypatch.setattr(costs, "time_loop", lambda *args, **kwargs: pytest.fail("timed with a bad mode"))
     with pytest.raises(ValueError, match="JAXSPEC_STEP_COSTS='measured' is not one of measure, default"):
         jaxspec.generate(target, np.array([[5, 17, 29]], np.int32), max_new_tokens=4, assistant_model=assistant)
 
@@ -159,62 +225,3 @@ def test_generate_reports_the_speedup_its_cost_model_expected(pair):
     assert constant.priced_steps == 0 and np.isnan(constant.modelled_speedup)
 
 
-def test_an_mtp_draft_is_priced_by_timing_its_depth_step(measuring, tmp_path_factory, monkeypatch):
-    """A draft of MTP layers is one depth step over the last K + 1 positions and its draft head: timed on the
-    machine (a thin layer's fixed costs on a CPU are not its share of the weights), once, then read from the file."""
-    from tests.fixtures.moe import FAMILIES, save_checkpoint
-
-    folder = save_checkpoint("glm4_moe", str(tmp_path_factory.mktemp("glm")), 2, 2, FAMILIES["glm4_moe"], seed=2)
-    target = jaxspec.load(folder)
-    drafter = choose_strategy(target, DraftingConfig(use_mtp=True), do_sample=False).drafter
-    assert drafter.drafts_with_mtp_steps and drafter.max_draft == 2
-    step_ms = costs.time_mtp_steps(target, drafter.max_draft + 1, runs=1)  # the real step compiles and runs
-    assert step_ms > 0
-    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, head=None, batch=1: {w: 10.0 for w in widths})
-    monkeypatch.setattr(costs, "time_mtp_steps", lambda model, window, batch=1: 2.5 * window)
-    priced = costs.price_schedule(drafter, target, None).schedule
-    assert priced.draft_cost == 0.75  # 7.5 ms of a 10 ms step
-    monkeypatch.setattr(costs, "time_mtp_steps", lambda *args, **kwargs: pytest.fail("timed again"))
-    assert costs.price_schedule(drafter, target, None).schedule == priced
-
-
-def test_a_dflash_round_is_priced_by_timing_its_drafting_work(measuring, pair, tmp_path_factory, monkeypatch):
-    """A DFlash round's drafting work (the context write, the block forward and the target's head over the drafts)
-    is timed once as the schedule's round cost; the drafter's weight share alone leaves out the head it reads."""
-    from tests.fixtures import dflash as dflash_fixtures
-    from tests.strategies.test_dflash import DRAFTER
-
-    target, _ = pair
-    folder = str(tmp_path_factory.mktemp("dflash_costs"))
-    dflash_fixtures.muse(DRAFTER, seed=3).save_pretrained(folder)
-    block_drafter = jaxspec.load(folder)
-    drafter = choose_strategy(target, DraftingConfig(assistant_model=block_drafter), do_sample=False).drafter
-    assert drafter.drafts_with_block_forward and drafter.max_draft == DRAFTER["block_size"] - 1
-    assert costs.time_block_drafts(target, block_drafter, drafter.max_draft, runs=1) > 0  # the real round runs
-    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, head=None, batch=1: {w: 10.0 for w in widths})
-    monkeypatch.setattr(costs, "time_block_drafts", lambda target, drafter, drafts, batch=1: 4.0)
-    priced = costs.price_schedule(drafter, target, block_drafter).schedule
-    assert (priced.round_cost, priced.draft_cost) == (0.4, 0.0)
-    monkeypatch.setattr(costs, "time_block_drafts", lambda *args, **kwargs: pytest.fail("timed again"))
-    assert costs.price_schedule(drafter, target, block_drafter).schedule == priced
-
-
-def test_an_eagle3_round_is_priced_by_its_window_and_its_steps(measuring, pair, tmp_path_factory, monkeypatch):
-    """An EAGLE-3 round is timed with one draft and with K: the difference is K - 1 head steps (a draft's cost), the
-    rest the round's own (the fc over the new states and the head over its window of K + 1 entries)."""
-    from tests.fixtures import eagle3 as eagle3_fixtures
-
-    target, _ = pair
-    head = jaxspec.load(eagle3_fixtures.save(eagle3_fixtures.reference(seed=3),
-                                             tmp_path_factory.mktemp("eagle3_costs")))
-    drafter = choose_strategy(target, DraftingConfig(assistant_model=head, num_assistant_tokens=3),
-                              do_sample=False).drafter
-    assert drafter.drafts_with_head_steps and drafter.max_draft == 3
-    assert costs.time_head_rounds(target, head, 3, runs=1, window=4) > 0  # the real round runs
-    monkeypatch.setattr(costs, "time_forwards", lambda model, widths, head=None, batch=1: {w: 10.0 for w in widths})
-    timed = {1: 3.0, 3: 4.0}  # milliseconds: a 2.5 ms window and 0.5 ms a draft
-    monkeypatch.setattr(costs, "time_head_rounds", lambda target, head, drafts, batch=1, window=None: timed[drafts])
-    priced = costs.price_schedule(drafter, target, head).schedule
-    assert (priced.round_cost, priced.draft_cost) == (0.25, 0.05)
-    monkeypatch.setattr(costs, "time_head_rounds", lambda *args, **kwargs: pytest.fail("timed again"))
-    assert costs.price_schedule(drafter, target, head).schedule == priced
