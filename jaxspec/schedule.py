@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .strategies.base import RoundResult
 
 SCHEDULES = ("adaptive", "constant", "heuristic", "heuristic_transient")
+NO_LIMIT = 2**30  # DraftLength.available where the drafter does not know how many drafts it has before drafting
 # Adaptive schedule: a row that keeps missing stops drafting for 1, 2, 4, ... rounds, at most this many.
 MAX_COOLDOWN = 32
 
@@ -37,6 +38,10 @@ class DraftLength:
     # and the depths judged (adaptive, tree schedules)
     branch_accepted: jax.Array
     branch_judged: jax.Array
+    # [B] the most drafts each row can propose this round, where the drafter knows it before the schedule decides
+    # (prompt lookup: its match's length; `with_available`); NO_LIMIT otherwise. A row that cannot draft gains
+    # nothing from a wide block, so it neither buys one nor probes.
+    available: jax.Array
 
 
 def verify_widths(max_draft: int) -> tuple[int, ...]:
@@ -144,7 +149,14 @@ class Schedule:
         prior = jnp.full((batch,), self.PRIOR_WEIGHT, jnp.float32)
         return DraftLength(num_tokens=jnp.full((batch,), initial, jnp.int32), misses=zeros, cooldown=zeros,
                            accepted=self.PRIOR_ACCEPTANCE * prior, judged=prior,
-                           branch_accepted=self.PRIOR_ACCEPTANCE * prior, branch_judged=prior)
+                           branch_accepted=self.PRIOR_ACCEPTANCE * prior, branch_judged=prior,
+                           available=jnp.full((batch,), NO_LIMIT, jnp.int32))
+
+    @staticmethod
+    def with_available(state: DraftLength, available: jax.Array) -> DraftLength:
+        """`state` for a round in which each row can propose at most `available` ([B]) drafts, known before the
+        schedule decides; the drafter returns this state, so that `update` judges the round by the same choice."""
+        return dataclasses.replace(state, available=available.astype(jnp.int32))
 
     @property
     def priced(self) -> bool:
@@ -223,8 +235,8 @@ class Schedule:
             return state.num_tokens
         active = _all_rows(state) if active is None else active
         best = self.paying_length(state, active)
-        # Nothing pays: a one-draft probe for the whole batch when some row's cooldown is over.
-        probe = jnp.any(active & (state.cooldown == 0)).astype(jnp.int32)
+        # Nothing pays: a one-draft probe for the whole batch when some row that can draft is out of its cooldown.
+        probe = jnp.any(self._due(state, active)).astype(jnp.int32)
         chosen = jnp.where(self.forced, self.forced_drafts, jnp.where(best > 0, best, probe))
         return jnp.broadcast_to(chosen, state.num_tokens.shape).astype(jnp.int32)
 
@@ -234,7 +246,12 @@ class Schedule:
         if not self.priced:
             return jnp.zeros((), bool)
         active = _all_rows(state) if active is None else active
-        return (self.paying_length(state, active) == 0) & jnp.any(active & (state.cooldown == 0)) & ~self.forced
+        return (self.paying_length(state, active) == 0) & jnp.any(self._due(state, active)) & ~self.forced
+
+    @staticmethod
+    def _due(state: DraftLength, active: jax.Array) -> jax.Array:
+        """[B] rows that would probe: running, out of their cooldown, with something to propose."""
+        return active & (state.cooldown == 0) & (state.available > 0)
 
     def paying_length(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
         """[] the draft length with the most expected tokens per cost over the batch's `active` rows (adaptive); 0
@@ -249,7 +266,8 @@ class Schedule:
         chain and F - 1 alternatives at each depth, the alternatives being leaves: its walk reaches depth i + 1 only
         along the chain (a^i), and there accepts some candidate with the branch acceptance b, so it commits
         1 + b (1 - a^d) / (1 - a). Each is priced at its own verify block."""
-        drafts = jnp.asarray(self.widths, jnp.float32) - 1  # [N] the drafts (depths) each width holds
+        # [B, N] the drafts (depths) each width holds for each row: no more than the row has to propose
+        drafts = jnp.minimum(jnp.asarray(self.widths) - 1, state.available[:, None]).astype(jnp.float32)
         rate = jnp.clip(self.acceptance(state), 0.0, 0.999)[:, None]  # [B, 1]
         along_chain = (1 - rate ** drafts) / (1 - rate)  # [B, N] expected depths reached past the first
         chain = 1 + rate * along_chain  # [B, N] tokens a round commits to each row
@@ -310,7 +328,7 @@ class Schedule:
         cooldown = jnp.where(missed, backoff, jnp.where(active, jnp.maximum(state.cooldown - 1, 0), state.cooldown))
         num_tokens = jnp.where(tried, result.drafted, state.num_tokens)
         return DraftLength(num_tokens=num_tokens, misses=misses, cooldown=cooldown, accepted=accepted, judged=judged,
-                           branch_accepted=branch_accepted, branch_judged=branch_judged)
+                           branch_accepted=branch_accepted, branch_judged=branch_judged, available=state.available)
 
 
 def _all_rows(state: DraftLength) -> jax.Array:

@@ -127,9 +127,11 @@ class PromptLookupDrafter(Drafter):
         tokens = jnp.take_along_axis(loop.tokens, jnp.minimum(offsets, loop.tokens.shape[1] - 1), axis=1)
         valid = found[:, None] & (offsets < loop.lengths[:, None])  # never copy past the sequence's end
         valid &= jnp.cumsum(ctx.is_eos(tokens), axis=1) == 0  # stop before an EOS
-        count = jnp.sum(jnp.cumprod(valid, axis=1), axis=1).astype(jnp.int32)
         # Drafts past the row's budget could never be committed: do not pay to verify them.
-        count = jnp.minimum(count, jnp.minimum(self.schedule.allowed(state, ~loop.done), room_for_drafts(loop)))
+        count = jnp.minimum(jnp.sum(jnp.cumprod(valid, axis=1), axis=1), room_for_drafts(loop)).astype(jnp.int32)
+        # The schedule knows what each row has to copy before it chooses the batch's length (Schedule.with_available).
+        state = Schedule.with_available(state, count)
+        count = jnp.minimum(count, self.schedule.allowed(state, ~loop.done))
         return DraftStep(draft=Draft(tokens=tokens, count=count), state=state, forwards=jnp.zeros((), jnp.int32),
                          target_cache=loop.cache)
 
@@ -143,10 +145,11 @@ class PromptLookupDrafter(Drafter):
         candidates = jnp.take_along_axis(loop.tokens[:, None, :], jnp.minimum(offsets, size - 1), axis=2)
         valid = found[:, :, None] & (offsets < loop.lengths[:, None, None])
         valid &= jnp.cumsum(ctx.is_eos(candidates), axis=2) == 0
-        lengths = jnp.sum(jnp.cumprod(valid, axis=2), axis=2)  # [B, F]
+        lengths = jnp.minimum(jnp.sum(jnp.cumprod(valid, axis=2), axis=2), room_for_drafts(loop)[:, None])  # [B, F]
+        state = Schedule.with_available(state, jnp.max(lengths, axis=1))  # the deepest match, as for a chain
         # The schedule's branching this round: the best match alone (a chain), or all of them.
         lengths = jnp.where(jnp.arange(branches)[None, :] < self.schedule.branching(state, ~loop.done), lengths, 0)
-        allowed = jnp.minimum(self.schedule.allowed(state, ~loop.done), room_for_drafts(loop))  # [B] depth
+        allowed = self.schedule.allowed(state, ~loop.done)  # [B] depth
         tree = continuation_trie(candidates, jnp.minimum(lengths, allowed[:, None]).astype(jnp.int32))
         if self.tree.selects:  # a budget below F D keeps the nodes of the best-ranked matches (a prefix is a tree)
             tree = tree.truncated(self.tree.nodes)

@@ -237,6 +237,25 @@ def test_a_doubted_first_draft_counts_as_a_rejected_one():
     assert drafter.drops_doubted_first and not hf.drops_doubted_first
 
 
+def test_rows_with_nothing_to_copy_neither_buy_a_block_nor_probe():
+    """Prompt lookup knows each row's match before the batch decides (Schedule.with_available): a row without one
+    gains nothing from a wide block, so one copying row of eight does not buy [8, W] for the batch, and a batch with
+    no match anywhere does not probe."""
+    schedule = Schedule("adaptive", draft_cost=0.0, widths=(1, 2, 4, 8), verify_costs=(1.0, 1.3, 1.6, 2.0))
+    copying = dataclasses.replace(schedule.init(8, np.int32(1)), accepted=np.full(8, 4.0, np.float32),
+                                  judged=np.full(8, 5.0, np.float32), cooldown=np.full(8, 3, np.int32))  # a = 0.8
+    assert schedule.allowed(copying).tolist() == [7] * 8  # every row may copy: a wide block pays
+    one_match = Schedule.with_available(copying, np.array([7, 0, 0, 0, 0, 0, 0, 0]))
+    assert schedule.allowed(one_match).tolist() == [0] * 8  # 1 row's gain does not pay 8 rows' block
+    # Matches of 2: width 4 (3 drafts), the narrowest that holds them; a wider block would hold nothing more.
+    assert schedule.allowed(Schedule.with_available(copying, np.full(8, 2))).tolist() == [3] * 8
+    idle = dataclasses.replace(schedule.init(2, np.int32(1)), accepted=np.zeros(2, np.float32),
+                               judged=np.full(2, 5.0, np.float32))  # due to probe
+    assert bool(schedule.probing(idle)) and schedule.allowed(idle).tolist() == [1, 1]
+    nothing_to_copy = Schedule.with_available(idle, np.zeros(2, np.int32))
+    assert not bool(schedule.probing(nothing_to_copy)) and schedule.allowed(nothing_to_copy).tolist() == [0, 0]
+
+
 def test_a_batch_decides_its_width_together():
     """A verify block is one forward for the whole batch, as wide as its longest draft: the batch drafts what pays
     summed over its running rows. One copying row among idle ones does not make a wide block pay when every row pays
