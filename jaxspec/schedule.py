@@ -99,8 +99,7 @@ class Schedule:
     - "adaptive" (jaxspec's default for every drafter): each row keeps a decayed estimate of the probability that a
       draft is accepted (its `accepted` / `judged` counts, with a prior). A round's verify block is one forward for
       the whole batch, as wide as its longest draft, so the batch decides together: each round it drafts the
-      length that finishes its running rows soonest, judged by the row left furthest from done (`choice`; for one
-      row, the most expected tokens per cost). A block of d drafts commits
+      length with the most expected tokens per cost summed over its running rows. A block of d drafts commits
       (1 - a^(d+1)) / (1 - a) tokens on average for a row of acceptance a, and costs `verify_costs` of its width
       (measured at the batch it runs: a [8, 4] block does not cost what a [1, 4] block costs) plus `draft_cost` per
       draft (drafting-model steps, in target steps). Every row then drafts that length (a width already paid
