@@ -31,7 +31,7 @@ from .sampling import select
 from .schedule import Prices
 from .sharding import ShardingRules, constrain, named_sharding
 from .strategies.base import (Context, Counters, DecodeState, Drafter, DraftStep, PrefillChunk, RoundResult,
-                             rows_remaining, run_tapped_layers)
+                             run_tapped_layers)
 from .cache import move_cache_entries
 from .verify import leading_true, verify
 
@@ -261,8 +261,7 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState, verify_floor) -> De
         scores = scores.at[rows[:, None], slots].set(checked.processed, mode="drop")
 
     result = RoundResult(drafted=checked.drafted, accepted=n, committed=committed, tokens=verified,
-                         hidden=checked.hidden, lengths=lengths, features=checked.features, on_chain=checked.on_chain,
-                         remaining=rows_remaining(state))
+                         hidden=checked.hidden, lengths=lengths, features=checked.features, on_chain=checked.on_chain)
     drafter_state = drafter.update(ctx, step.state, result)
     active = ~state.done
     c = state.counters
@@ -388,9 +387,8 @@ def _priced_round(drafter: Drafter, count, nodes=None) -> jax.Array:
     """[] what the adaptive schedule's cost model says this round cost, in plain steps, priced as the schedule
     prices a choice: the verify block of the width the round ran (`_verify_round`: the narrowest holding the
     longest draft), `draft_cost` per draft of the longest row, and the fixed cost of a drafting round. 0 for
-    schedules that are not priced. The prices are timed on rounds of this loop (jaxspec/costs.py), so what still sets
-    it apart from the measured speedup is what those rounds did not hold: catch-up blocks after idle rounds, and
-    the machine's noise."""
+    schedules that are not priced. Costs the model does not hold (catch-up blocks, a drafter's work in rounds without
+    drafts, the round's own overhead) are what sets it apart from the measured speedup."""
     schedule = getattr(drafter, "schedule", None)
     if schedule is None or not schedule.priced:
         return jnp.zeros((), jnp.float32)

@@ -220,73 +220,64 @@ class Schedule:
         alternative."""
         return state.branch_accepted / state.branch_judged
 
-    def branching(self, state: DraftLength, remaining: jax.Array | None = None) -> jax.Array:
+    def branching(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
         """[] int32: the candidates per depth a tree drafter keeps this round: the schedule's choice (1, the chain
         alone, or entries_per_draft), or all of them where the schedule does not choose."""
         if not self.branches or self.kind != "adaptive":
             return jnp.asarray(self.entries_per_draft, jnp.int32)
-        depth, branching = self.choice(state, remaining)
+        active = _all_rows(state) if active is None else active
+        depth, branching = self.choice(state, active)
         return jnp.where((depth > 0) & ~self.forced, branching, 1).astype(jnp.int32)  # a probe drafts the chain
-    def allowed(self, state: DraftLength, remaining: jax.Array | None = None) -> jax.Array:
-        """[B] how many drafts each row may propose this round. `remaining`: [B] tokens each row may still commit,
-        0 for a finished row (`rows_remaining`; None: every row running, alike); the batch's choice weighs the
-        running rows by it."""
+    def allowed(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
+        """[B] how many drafts each row may propose this round. `active`: [B] bool, the rows still decoding (all
+        when None); the batch's choice prices their expected tokens only."""
         if not self.priced:
             return state.num_tokens
-        remaining = _remaining(state, remaining)
-        best = self.paying_length(state, remaining)
+        active = _all_rows(state) if active is None else active
+        best = self.paying_length(state, active)
         # Nothing pays: a one-draft probe for the whole batch when some row that can draft is out of its cooldown.
-        probe = jnp.any(self._due(state, remaining > 0)).astype(jnp.int32)
+        probe = jnp.any(self._due(state, active)).astype(jnp.int32)
         chosen = jnp.where(self.forced, self.forced_drafts, jnp.where(best > 0, best, probe))
         return jnp.broadcast_to(chosen, state.num_tokens.shape).astype(jnp.int32)
 
-    def probing(self, state: DraftLength, remaining: jax.Array | None = None) -> jax.Array:
+    def probing(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
         """[] bool: the batch drafts this round only as a probe (adaptive: drafting does not pay, a cooldown is
         over)."""
         if not self.priced:
             return jnp.zeros((), bool)
-        remaining = _remaining(state, remaining)
-        return (self.paying_length(state, remaining) == 0) & jnp.any(self._due(state, remaining > 0)) & ~self.forced
+        active = _all_rows(state) if active is None else active
+        return (self.paying_length(state, active) == 0) & jnp.any(self._due(state, active)) & ~self.forced
 
     @staticmethod
     def _due(state: DraftLength, active: jax.Array) -> jax.Array:
         """[B] rows that would probe: running, out of their cooldown, with something to propose."""
         return active & (state.cooldown == 0) & (state.available > 0)
 
-    def paying_length(self, state: DraftLength, remaining: jax.Array | None = None) -> jax.Array:
-        """[] the draft length that finishes the batch's running rows soonest (adaptive, `choice`); 0 when drafting
-        does not pay."""
-        return self.choice(state, remaining)[0]
+    def paying_length(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
+        """[] the draft length with the most expected tokens per cost over the batch's `active` rows (adaptive); 0
+        when drafting does not pay."""
+        active = _all_rows(state) if active is None else active
+        return self.choice(state, active)[0]
 
-    def choice(self, state: DraftLength, remaining: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """([] depth, [] branching): the round that finishes the batch's running rows soonest, at its price.
+    def choice(self, state: DraftLength, active: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """([] depth, [] branching): the round with the most expected tokens per cost over the `active` rows.
 
         A chain of d drafts with acceptance a commits (1 - a^(d+1)) / (1 - a) tokens on average. A tree keeps its
         chain and F - 1 alternatives at each depth, the alternatives being leaves: its walk reaches depth i + 1 only
         along the chain (a^i), and there accepts some candidate with the branch acceptance b, so it commits
-        1 + b (1 - a^d) / (1 - a). Each is priced at its own verify block.
-
-        The call returns with its last row, so a round is judged by the row it leaves furthest from done: at t tokens
-        a round, a row with r tokens to go needs r / t rounds, and the batch the most of these, each at the round's
-        price. For one row this is the most tokens per cost. In a batch, drafting that speeds most rows while the
-        slowest gains little only makes every round dearer: the batch of 32 free-text rows that drafted by the
-        rows' summed tokens ran at 0.84x plain decoding."""
-        running = _remaining(state, remaining) > 0
-        to_go = jnp.maximum(_remaining(state, remaining), 1).astype(jnp.float32)[:, None]  # [B, 1]
-
-        def finishing(tokens, costs):  # [B, N] tokens a round -> [N] the batch's rounds to finish, times their price
-            return jnp.max(jnp.where(running[:, None], to_go / tokens, 0.0), axis=0) * costs
-
+        1 + b (1 - a^d) / (1 - a). Each is priced at its own verify block."""
         # [B, N] the drafts (depths) each width holds for each row: no more than the row has to propose
         drafts = jnp.minimum(jnp.asarray(self.widths) - 1, state.available[:, None]).astype(jnp.float32)
         rate = jnp.clip(self.acceptance(state), 0.0, 0.999)[:, None]  # [B, 1]
         along_chain = (1 - rate ** drafts) / (1 - rate)  # [B, N] expected depths reached past the first
-        chain = finishing(1 + rate * along_chain, self.round_costs())  # [N]
+        chain = 1 + rate * along_chain  # [B, N] tokens a round commits to each row
+        value = jnp.sum(jnp.where(active[:, None], chain, 0.0), axis=0) / self.round_costs()  # [N] over the batch
         if not self.branches:
-            return jnp.asarray(self.widths)[jnp.argmin(chain)] - 1, jnp.asarray(self.entries_per_draft, jnp.int32)
+            return jnp.asarray(self.widths)[jnp.argmax(value)] - 1, jnp.asarray(self.entries_per_draft, jnp.int32)
         branch = jnp.clip(self.branch_acceptance(state), 0.0, 0.999)[:, None]
-        tree = finishing(1 + branch * along_chain, self.round_costs(self.entries_per_draft))
-        best = jnp.argmin(jnp.stack([chain, tree]).reshape(-1))  # ties go to the narrower block, and to the chain
+        tree = jnp.sum(jnp.where(active[:, None], 1 + branch * along_chain, 0.0), axis=0)
+        values = jnp.stack([value, tree / self.round_costs(self.entries_per_draft)])  # [2, N]: chain, tree
+        best = jnp.argmax(values.reshape(-1))  # ties go to the chain, the cheaper to draft
         depth = jnp.asarray(self.widths)[best % len(self.widths)] - 1
         return depth, jnp.where(best >= len(self.widths), self.entries_per_draft, 1).astype(jnp.int32)
 
@@ -309,7 +300,6 @@ class Schedule:
     def update(self, state: DraftLength, result: RoundResult, cap: int) -> DraftLength:
         """`cap`: K, the static size of the draft buffer."""
         active = result.committed > 0  # finished rows keep their state
-        remaining = result.remaining if result.remaining is not None else active.astype(jnp.int32)
         if self.kind == "constant":
             return state
         if self.kind in ("heuristic", "heuristic_transient"):
@@ -324,7 +314,7 @@ class Schedule:
         accepted = jnp.where(tried, self.DECAY * state.accepted + on_chain, state.accepted)
         # The round's choice, made from this same state: a round that drafted only because nothing paid was a probe,
         # for every row that drafted in it, so that the rows' cooldowns stay in step.
-        depth, branching = self.choice(state, remaining)
+        depth, branching = self.choice(state, active)
         # A tree round's depths reached along the chain each accepted the chain's token or an alternative, or neither.
         branched = tried & (depth > 0) & (branching > 1)
         branch_accepted = jnp.where(branched, self.DECAY * state.branch_accepted + result.accepted,
@@ -341,9 +331,8 @@ class Schedule:
                            branch_accepted=branch_accepted, branch_judged=branch_judged, available=state.available)
 
 
-def _remaining(state: DraftLength, remaining: jax.Array | None) -> jax.Array:
-    """[B] tokens each row may still commit; None: every row running, with as much to go."""
-    return jnp.ones(state.num_tokens.shape, jnp.int32) if remaining is None else remaining
+def _all_rows(state: DraftLength) -> jax.Array:
+    return jnp.ones(state.num_tokens.shape, bool)
 
 
 def tree_entries(depth: int, entries_per_draft: int, node_budget: int = 0) -> int:

@@ -132,9 +132,6 @@ class RoundResult:
     # leaves the chain at the first alternative it takes): a drafter that fed its chain through its own cache keeps
     # those entries only
     on_chain: jax.Array | None = None
-    # [B] tokens each row could still commit before this round (0: finished), what the schedule chose the round by
-    # (`rows_remaining`); None: every row running, alike
-    remaining: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -274,12 +271,6 @@ class Drafter:
                        ) -> TargetOutput:
         """The verifying forward (`tree`: a tree-shaped block). Early exit overrides it to reuse its layers."""
         return run_target(ctx.target, tokens, positions, cache, ctx.head, self.feature_layers, tree=tree)
-
-
-def rows_remaining(loop: DecodeState) -> jax.Array:
-    """[B] tokens each row may still commit (0 for a finished row): the adaptive schedule weighs a round by the row
-    that will take longest to finish, since the call returns with its last row."""
-    return jnp.where(loop.done, 0, loop.budget_end - loop.lengths).astype(jnp.int32)
 
 
 def room_for_drafts(loop: DecodeState) -> jax.Array:

@@ -47,7 +47,6 @@ from .base import (
     PrefillChunk,
     RoundResult,
     room_for_drafts,
-    rows_remaining,
 )
 from .spec import (
     ASSISTANT_ENSEMBLE_WEIGHT,
@@ -116,7 +115,7 @@ class Eagle3Drafter(Drafter):
         branches, selects = self.branches, self.selects  # a tree's siblings per depth; keeping the N most probable
         batch = loop.tokens.shape[0]
         rows = jnp.arange(batch)
-        count = jnp.minimum(self.schedule.allowed(state.length, rows_remaining(loop)), room_for_drafts(loop))  # [B]
+        count = jnp.minimum(self.schedule.allowed(state.length, ~loop.done), room_for_drafts(loop))  # [B]
         count = count.astype(jnp.int32)
         vocab = ctx.target.cfg.vocab_size
         newest = loop.lengths - 2  # [B] the newest committed entry: g at L-2, the token at L-1
@@ -174,7 +173,7 @@ class Eagle3Drafter(Drafter):
         (cache, synced, forwards), (tokens, probs, weights) = inplace.cond(jnp.any(count > 0), run, skip, carry)
         state = dataclasses.replace(state, cache=cache, synced=synced)
         if self.tree is not None:  # the chain with its alternatives at every depth
-            branching = self.schedule.branching(state.length, rows_remaining(loop))
+            branching = self.schedule.branching(state.length, ~loop.done)
             draft = Draft.of_tree(sibling_tree(tokens, count, probs, branching, weights, self.tree.nodes))
         else:
             draft = Draft(tokens=tokens[:, :, 0], count=count, probs=None if probs is None else probs[:, :, 0])
