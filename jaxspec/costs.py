@@ -196,8 +196,9 @@ def timing_inputs(inputs, drafts: int, verify_floor: int):
 
 def fit_drafting(verify_ms: dict[int, float], rounds: list[tuple[float, float]]) -> tuple[float, float]:
     """(milliseconds a draft, milliseconds of a drafting round's fixed work) from timed drafting rounds, each
-    (drafts a round of the longest row, milliseconds a round). A round of d drafts costs its verify block (the
-    narrowest width holding d + 1, from `verify_ms`), d drafts and the fixed work: a line through the rounds timed,
+    (drafts a round of the longest row, milliseconds a round). A round of d drafts costs its verify block (width
+    d + 1, interpolated in `verify_ms`: the forced lengths 1 and K verify at exactly 2 and K + 1, both loop widths),
+    d drafts and the fixed work: a line through the rounds timed,
     by the drafts the rows really proposed (a drafter may propose fewer than it was asked: universal decoding maps
     some drafts to nothing). Neither part is negative: a busier machine during one run must not make drafts free."""
     widest = max(verify_ms)
