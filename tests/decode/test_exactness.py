@@ -173,8 +173,11 @@ VERIFY_CONTROLS = {
 # processed distribution. Speculative, early exit and the Gemma 4 drafter share `draft_loop`; MTP has its own.
 Q_RAW = Mutation(draft_model.AutoregressiveDrafter, "draft_loop", "q = jax.nn.softmax(processed, axis=-1)",
                  "q = jax.nn.softmax(logits, axis=-1)")
-Q_RAW_MTP = Mutation(mtp.MtpDrafter, "draft", "q = jax.nn.softmax(processed, axis=-1) if self.keep_probs",
-                     "q = jax.nn.softmax(logits, axis=-1) if self.keep_probs")
+# MTP draws its candidates and their laws in one call (jaxspec.tree.draw_candidates): its `law` hook gives q from the
+# raw logits while the drafts still come from the processed ones.
+Q_RAW_MTP = Mutation(mtp.MtpDrafter, "draft", "draw_candidates(step_rng, processed, branches, ctx.do_sample, "
+                     "self.keep_probs)", "draw_candidates(step_rng, processed, branches, ctx.do_sample, "
+                     "self.keep_probs, law=lambda _: jax.nn.softmax(logits, axis=-1))")
 
 
 # -- models --------------------------------------------------------------------------------------------------------
