@@ -387,8 +387,9 @@ def _priced_round(drafter: Drafter, count, nodes=None) -> jax.Array:
     """[] what the adaptive schedule's cost model says this round cost, in plain steps, priced as the schedule
     prices a choice: the verify block of the width the round ran (`_verify_round`: the narrowest holding the
     longest draft), `draft_cost` per draft of the longest row, and the fixed cost of a drafting round. 0 for
-    schedules that are not priced. Costs the model does not hold (catch-up blocks, a drafter's work in rounds without
-    drafts, the round's own overhead) are what sets it apart from the measured speedup."""
+    schedules that are not priced. The prices are timed on rounds of this loop (jaxspec/costs.py), so what still sets
+    it apart from the measured speedup is what those rounds did not hold: catch-up blocks after idle rounds, and
+    the machine's noise."""
     schedule = getattr(drafter, "schedule", None)
     if schedule is None or not schedule.priced:
         return jnp.zeros((), jnp.float32)
