@@ -226,8 +226,8 @@ def _loop_key_prefix(spec, target: Model, assistant: Model | None, batch: int) -
 
 
 def interpolate(milliseconds: dict[int, float], width: int) -> float:
-    """A width's cost from the measured ones: linear between the nearest measured widths around it. Only 1, 2 and
-    the widest block are measured (each width is a compile of the whole forward, which dominates a measurement);
+    """A width's cost from the measured ones: linear between the nearest measured widths around it. `price_loop`
+    times only 1, 2 and the widest block (each width is a few timed runs of the loop, paid by the first call);
     between 2 and K + 1 the cost of a CPU verify block grows close to linearly (`python benchmarks/bench_verify_width.py
     --widths 2,4,5,8,11` prints each width's)."""
     if width in milliseconds:
