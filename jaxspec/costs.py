@@ -93,7 +93,9 @@ def price_loop(call, prefill, rounds, target: Model, assistant: Model | None, ba
     drafter's own estimates.
 
     Each price is in rounds that draft nothing (plain steps): a verify block of each width, one draft, and the fixed
-    work of a round that drafts at all. Widths between 2 and the widest are interpolated (`interpolate`)."""
+    work of a round that drafts at all. Every width the loop compiled is timed: on a CPU the cost of a block is not
+    linear in its width (SmolLM2's lookup loop: width 4 costs 2.3 plain steps, where a line from width 2 at 1.5 to
+    width 11 at 3.0 says 1.8), so interpolated prices made the schedule buy blocks that did not pay."""
     spec = call.spec
     schedule = getattr(spec.drafter, "schedule", None)
     if schedule is None or not schedule.priced or spec.mesh is not None:
@@ -102,7 +104,7 @@ def price_loop(call, prefill, rounds, target: Model, assistant: Model | None, ba
     models = (target,) if assistant is None else (target, assistant)
     if chosen == "default" or not measurable(*models):
         return None
-    widths = tuple(sorted({1, 2, max(spec.verify_widths)}))
+    widths = tuple(sorted({1} | set(spec.verify_widths)))
     drafts = _drafts_timed(spec.drafter)
     prefix = _loop_key_prefix(spec, target, assistant, cost_batch(batch))
     keys = {f"{prefix}|verify|{w}": ("verify", w) for w in widths}
@@ -226,10 +228,9 @@ def _loop_key_prefix(spec, target: Model, assistant: Model | None, batch: int) -
 
 
 def interpolate(milliseconds: dict[int, float], width: int) -> float:
-    """A width's cost from the measured ones: linear between the nearest measured widths around it. `price_loop`
-    times only 1, 2 and the widest block (each width is a few timed runs of the loop, paid by the first call);
-    between 2 and K + 1 the cost of a CPU verify block grows close to linearly (`python benchmarks/bench_verify_width.py
-    --widths 2,4,5,8,11` prints each width's)."""
+    """A width's cost from the measured ones: the measured figure, else linear between the nearest measured widths
+    around it. `price_loop` times every width the loop compiles, so this only fills in widths a caller did not time
+    (a drafting round's fractional block in `fit_drafting`)."""
     if width in milliseconds:
         return milliseconds[width]
     below = max(w for w in milliseconds if w < width)
