@@ -155,32 +155,37 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
 
     Every run reuses the executables: the prices, the verify floor, the forced length, the EOS tokens (none, so rows
     run their rounds) and the confidence threshold (0, so every forced draft is proposed) are run-time inputs. The
-    fastest of `runs` runs of `rounds_per_run` rounds counts (the first also warms the executable)."""
+    fastest of `runs` runs of `rounds_per_run` rounds counts (the first also warms the executable); the
+    configurations take turns."""
     tokens, prompt_lengths = call.prefill_args[2], call.prefill_args[3]
     room = int(tokens.shape[1]) - int(np.max(np.asarray(prompt_lengths))) - call.spec.drafter.draft_slots - 2
     budget = jnp.full_like(call.prefill_args[4], max(room, 2))
 
-    def per_round(forced: int, floor: int) -> tuple[float, float]:
-        """(milliseconds a round, drafts a round of the longest row) with `forced` drafts, verified at `floor` or
-        wider."""
+    def one_run(forced: int, floor: int) -> tuple[float, float]:
+        """(milliseconds a round, drafts a round of the longest row) of one run with `forced` drafts, verified at
+        `floor` or wider."""
         timed = timing_inputs(call.inputs, forced, floor)
         args = call.prefill_args[:4] + (budget,) + call.prefill_args[5:6] + (timed,) + call.prefill_args[7:]
-        best, drafted = float("inf"), 0.0
-        for _ in range(runs):
-            state = jax.block_until_ready(prefill(*args))
-            start = time.perf_counter()
-            state = rounds(call.target_state, call.assistant_state, state, timed,
-                           jnp.asarray(rounds_per_run, jnp.int32))
-            ran = int(state.counters.rounds)  # waits for the rounds
-            elapsed = time.perf_counter() - start
-            if ran and elapsed / ran < best:
-                best, drafted = elapsed / ran, float(np.max(np.asarray(state.counters.drafted))) / ran
-        return best * 1e3, drafted
+        state = jax.block_until_ready(prefill(*args))
+        start = time.perf_counter()
+        state = rounds(call.target_state, call.assistant_state, state, timed, jnp.asarray(rounds_per_run, jnp.int32))
+        ran = int(state.counters.rounds)  # waits for the rounds
+        elapsed = time.perf_counter() - start
+        if not ran:
+            return float("inf"), 0.0
+        return elapsed / ran * 1e3, float(np.max(np.asarray(state.counters.drafted))) / ran
 
-    measured = {f"{prefix}|verify|{w}": per_round(0, w)[0] for w in widths}
+    # The configurations take turns, run after run, so that a machine that slows down or speeds up while they are
+    # timed moves all of them alike: timed one after the other, a drift became a false ratio between widths.
+    configs = [(0, w) for w in widths] + [(d, 1) for d in drafts]
+    best = {config: (float("inf"), 0.0) for config in configs}
+    for _ in range(runs):
+        for config in configs:
+            best[config] = min(best[config], one_run(*config))
+    measured = {f"{prefix}|verify|{w}": best[0, w][0] for w in widths}
     if drafts:
         verify = {w: measured[f"{prefix}|verify|{w}"] for w in widths}
-        draft_ms, round_ms = fit_drafting(verify, [per_round(d, 1)[::-1] for d in drafts])
+        draft_ms, round_ms = fit_drafting(verify, [best[d, 1][::-1] for d in drafts])
         measured[f"{prefix}|draft"], measured[f"{prefix}|round"] = draft_ms, round_ms
     return measured
 

@@ -64,11 +64,17 @@ def test_prices_are_timed_in_the_compiled_loop_once_per_machine(measuring, pair,
     jaxspec.generate(target, IDS, max_new_tokens=12, assistant_model=assistant, num_assistant_tokens=4)
     monkeypatch.setenv("JAXSPEC_STEP_COSTS", "measure")
     timings, priced = _spy(monkeypatch, costs, "time_loop"), _spy(monkeypatch, GENERATE, "price_loop")
+    forced, timing_inputs = [], costs.timing_inputs
+    monkeypatch.setattr(costs, "timing_inputs", lambda inputs, drafts, floor: (
+        forced.append((drafts, floor)), timing_inputs(inputs, drafts, floor))[1])
     before = loop.trace_count()
     assisted = jaxspec.generate(target, IDS, max_new_tokens=12, assistant_model=assistant, num_assistant_tokens=4)
     assert loop.trace_count() == before  # the measured prices are inputs of the executables the default prices ran
     np.testing.assert_array_equal(assisted.sequences, plain.sequences)
     assert len(timings) == 1
+    # Every verify width with no drafts, then 1 and K drafts: the configurations take turns, run after run, so that
+    # a machine that drifts while they are timed moves them all alike.
+    assert forced == [(0, 1), (0, 2), (0, 4), (0, 5), (1, 1), (4, 1)] * costs.RUNS
     parts = _stored_parts(measuring)
     # Every width of the loop's (1, 2, 4, 5): on a CPU a block's cost is not linear in its width, so none is
     # interpolated; a draft and a drafting round's fixed work.
