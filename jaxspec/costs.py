@@ -94,8 +94,8 @@ def price_loop(call, prefill, rounds, target: Model, assistant: Model | None, ba
 
     Each price is in rounds that draft nothing (plain steps): a verify block of each width, one draft, and the fixed
     work of a round that drafts at all. Every width the loop compiled is timed: on a CPU the cost of a block is not
-    linear in its width (SmolLM2's lookup loop: width 4 costs 2.3 plain steps, where a line from width 2 at 1.5 to
-    width 11 at 3.0 says 1.8), so interpolated prices made the schedule buy blocks that did not pay."""
+    linear in its width, and prices interpolated on a line made the schedule buy middle widths that did not pay
+    (docs/design.md, 'Step costs measured on the machine', has the figures)."""
     spec = call.spec
     schedule = getattr(spec.drafter, "schedule", None)
     if schedule is None or not schedule.priced or spec.mesh is not None:

@@ -65,8 +65,12 @@ def test_prices_are_timed_in_the_compiled_loop_once_per_machine(measuring, pair,
     monkeypatch.setenv("JAXSPEC_STEP_COSTS", "measure")
     timings, priced = _spy(monkeypatch, costs, "time_loop"), _spy(monkeypatch, GENERATE, "price_loop")
     forced, timing_inputs = [], costs.timing_inputs
-    monkeypatch.setattr(costs, "timing_inputs", lambda inputs, drafts, floor: (
-        forced.append((drafts, floor)), timing_inputs(inputs, drafts, floor))[1])
+
+    def recorded_timing_inputs(inputs, drafts, floor):
+        forced.append((drafts, floor))
+        return timing_inputs(inputs, drafts, floor)
+
+    monkeypatch.setattr(costs, "timing_inputs", recorded_timing_inputs)
     before = loop.trace_count()
     assisted = jaxspec.generate(target, IDS, max_new_tokens=12, assistant_model=assistant, num_assistant_tokens=4)
     assert loop.trace_count() == before  # the measured prices are inputs of the executables the default prices ran
@@ -172,8 +176,8 @@ def test_costs_are_measured_at_the_batch_that_decodes(measuring, pair, monkeypat
     assert seen == [1, 2] and costs.cost_batch(5) == 8 and costs.cost_batch(1000) == costs.MAX_COST_BATCH
     alone, batched, stored = (prices.on_host().verify_costs for prices, _ in priced)
     assert alone == (1.0, 1.5, 2.2, 2.3) and batched == stored == (1.0, 1.8, 3.4, 4.2)
+    # Every width at each batch bucket; copied drafts: no draft price.
     assert sorted(_stored_parts(measuring)) == [f"{b}x|verify|{w}" for b in (1, 2) for w in (1, 2, 4, 5)]
-    # copied drafts: no draft price
 
 
 def test_remeasure_overwrites_and_what_measurement_leaves_alone(measuring, pair, monkeypatch):
