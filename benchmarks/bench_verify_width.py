@@ -14,8 +14,8 @@ hides most of the difference. On a CPU the ratio shows what leaving the memory-b
 LM head's matrix multiply at 2 rows costs about twice its 1-row product); on an accelerator it stays near 1.
 `--scan-layers` (Llama-family models) adds two columns timed in alternating runs: the forward as it is, and the
 same forward with its decoder layers run by a `lax.scan` over stacked copies of their weights, with each one's
-compile seconds: what
-MaxText's `scan_layers` would cost a step and save a compile here (docs/design.md, 'Compile time').
+compile seconds: what MaxText's `scan_layers` would cost a step and save a compile here (docs/design.md, 'The model
+contract').
 `--quantization int8` adds a column for the same model through `jaxspec.quantize` (int8 weights and activations:
 what an int8 assistant's forward costs, with the model's own head, as an assistant drafts), and its one-token forward
 over the float model's. The table also goes to a JSON record in `--results` (benchmarks/_record.py, a sibling
@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     p.add_argument("--widths", default="1,2,3,4,8")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--quantization", default=None, choices=("int8",))
-    p.add_argument("--scan-layers", action="store_true", help="add a column: decoder layers under lax.scan")
+    p.add_argument("--scan-layers", action="store_true", help="add columns: decoder layers under lax.scan")
     add_results_argument(p)
     args = p.parse_args(argv)
     record = Record("bench_verify_width", __file__, argv, args.results)
@@ -59,12 +59,12 @@ def main(argv=None) -> None:
                     for name, (timed, head) in heads.items()}
     compiles = {}
     if args.scan_layers:
-        head = heads[next(reversed(heads))][1]  # the head generate verifies with
-        timed = _layer_loops_ms(model, widths, head, args.steps)
-        for variant, scan in (("unrolled, same runs", False), ("layers scanned", True)):
-            heads[variant] = (model, head)
+        timed = _layer_loops_ms(model, widths, copy, args.steps)  # with the head generate verifies with
+        for variant, compile_column, scan in (("unrolled, same runs", "unrolled: compile s", False),
+                                              ("layers scanned", "layers scanned: compile s", True)):
+            heads[variant] = (model, copy)
             milliseconds[variant] = {w: timed[w, scan][0] for w in widths}
-            compiles[f"{variant.split(',')[0]}: compile s"] = {w: timed[w, scan][1] for w in widths}
+            compiles[compile_column] = {w: timed[w, scan][1] for w in widths}
     title = f"verify width cost: {args.model}, {jax.default_backend()}, {model.dtype}, batch 1"
     print(f"# {title}\n")
     print("| width | " + " | ".join(f"{name}: ms | vs one token" for name in heads)
@@ -134,12 +134,12 @@ def _layer_loops_ms(model, widths, head, steps: int, runs: int = 6) -> dict[tupl
 
         return jax.lax.fori_loop(0, steps, step, (cache, jnp.zeros((), jnp.float32)))
 
+    run = jax.jit(loop, static_argnums=(0, 1), donate_argnums=5)
     compiled, caches, result = {}, {}, {}
     for width in widths:
         for scan in (False, True):
             cache = module.init_cache(1, costs.CACHE_SIZE)
             started = time.perf_counter()
-            run = jax.jit(loop, static_argnums=(0, 1), donate_argnums=5)
             compiled[width, scan] = run.lower(width, scan, state, stacked, head, cache).compile()
             result[width, scan] = (float("inf"), time.perf_counter() - started)
             caches[width, scan] = compiled[width, scan](state, stacked, head, cache)[0]  # warm
