@@ -237,6 +237,31 @@ def test_a_doubted_first_draft_counts_as_a_rejected_one():
     assert drafter.drops_doubted_first and not hf.drops_doubted_first
 
 
+def test_a_batch_backs_off_together_when_its_probe_does_not_pay():
+    """A probe is judged by what the whole batch got from it. At batch 8 a probe of one draft costs its two-wide block
+    and a draft for every row: two rows' hits do not pay for it, so every row that drafted counts a miss and the
+    batch backs off together (were each hit to make its row due at once, a batch of rows that hit now and then
+    would probe nearly every round). Hits that pay keep their rows due; a lone row's hit always pays."""
+    schedule = Schedule("adaptive", draft_cost=0.3, **CPU_COSTS)  # a probe: 1.2 + 0.3 plain steps a row
+
+    def probe(rows: int, hits: list[int]):
+        idle = dataclasses.replace(schedule.init(rows, np.int32(1)), accepted=np.zeros(rows, np.float32),
+                                   judged=np.full(rows, 5.0, np.float32))
+        assert bool(schedule.probing(idle)) and schedule.allowed(idle).tolist() == [1] * rows
+        hit = np.array(hits)
+        result = RoundResult(drafted=np.ones(rows, np.int32), accepted=hit, committed=hit + 1, tokens=None,
+                             hidden=None, lengths=None)
+        return schedule.update(idle, result, cap=7)
+
+    unpaid = probe(8, [1, 1, 0, 0, 0, 0, 0, 0])  # 10 tokens for 8 x 1.5 plain steps
+    assert unpaid.misses.tolist() == [1] * 8 and len(set(unpaid.cooldown.tolist())) == 1 and unpaid.cooldown[0] > 0
+    assert np.allclose(schedule.acceptance(unpaid)[:2], 1 / 5)  # the hits still count as evidence
+    paid = probe(8, [1, 1, 1, 1, 1, 1, 1, 0])  # 15 tokens for 12 plain steps
+    assert paid.misses.tolist() == [0] * 7 + [1] and paid.cooldown.tolist()[:7] == [0] * 7 and paid.cooldown[7] > 0
+    alone = probe(1, [1])  # 2 tokens for 1.5 plain steps
+    assert alone.misses.tolist() == [0] and alone.cooldown.tolist() == [0]
+
+
 def test_rows_with_nothing_to_copy_neither_buy_a_block_nor_probe():
     """Prompt lookup knows each row's match before the batch decides (Schedule.with_available): a row without one
     gains nothing from a wide block, so one copying row of eight does not buy [8, W] for the batch, and a batch with
