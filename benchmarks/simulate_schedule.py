@@ -1,0 +1,96 @@
+"""The adaptive schedule's decisions without the machine's noise: its own `Schedule`, driven on the host.
+
+    python benchmarks/simulate_schedule.py [--tokens 32] [--seeds 12]
+
+Each scenario is a batch of rows that accept each draft with a fixed probability, and the prices of a loop at that
+batch (verify widths 1, 2, 3 and one draft, in plain steps: what jaxspec/costs.py measures). Every round asks the
+schedule how many drafts the batch proposes, draws each row's accepted drafts, and updates the schedule with the
+round, as the compiled loop does, until every row has its tokens; the batch then ends with its slowest row, as a
+static batch does. The table shows rounds, rounds that drafted and how many of them were probes, and the speedup the
+prices give over plain decoding (one plain step per token). On a CPU whose speed moves by 0.3 between passes, this is
+how a change to the schedule's rule shows what it does to its decisions (docs/design.md, 'Batches').
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import numpy as np
+
+# (name, rows' acceptance rates, verify costs of widths 1, 2, 3, draft cost), all in plain steps
+SCENARIOS = (
+    ("MTP, free text, batch 8", (0.3, 0.25, 0.35, 0.67) * 2, (1.0, 1.18, 1.27), 0.39),
+    ("same, a cheaper draft", (0.3, 0.25, 0.35, 0.67) * 2, (1.0, 1.24, 1.4), 0.17),
+    ("MTP, code edits, batch 8", (0.6, 0.3, 0.45, 0.7) * 2, (1.0, 1.24, 1.4), 0.17),
+    ("batch 8, every row at 0.6", (0.6,) * 8, (1.0, 1.24, 1.4), 0.17),
+    ("batch 8, every row at 0.75", (0.75,) * 8, (1.0, 1.24, 1.4), 0.17),
+    ("batch 1 at 0.25", (0.25,), (1.0, 1.15, 1.25), 0.07),
+    ("batch 1 at 0.36", (0.36,), (1.0, 1.15, 1.25), 0.07),
+    ("batch 1 at 0.5", (0.5,), (1.0, 1.15, 1.25), 0.07),
+)
+
+
+@dataclasses.dataclass
+class Run:
+    rounds: int = 0
+    drafting: int = 0  # rounds in which the batch drafted
+    probes: int = 0  # of those, rounds that drafted only to probe
+    cost: float = 0.0  # plain steps
+
+
+def simulate(rates, verify_costs, draft_cost: float, tokens: int, seed: int, max_draft: int = 2) -> Run:
+    """One batch decoded to `tokens` new tokens a row, with drafts accepted at `rates` ([B])."""
+    import jax.numpy as jnp
+
+    from jaxspec.schedule import make_schedule
+    from jaxspec.strategies.base import RoundResult
+
+    rng = np.random.default_rng(seed)
+    schedule = make_schedule("adaptive", 1, max_draft, draft_cost)
+    schedule = dataclasses.replace(schedule, verify_costs=tuple(verify_costs[:len(schedule.widths)]))
+    batch = len(rates)
+    state = schedule.init(batch, jnp.ones((batch,), jnp.int32))
+    done = np.zeros(batch, np.int64)
+    run = Run()
+    while done.min() < tokens:
+        running = done < tokens
+        active = jnp.asarray(running)
+        drafts = int(np.asarray(schedule.allowed(state, active))[0])
+        probing = bool(schedule.probing(state, active))
+        accepted = np.zeros(batch, np.int64)  # [B] the leading drafts each row's target agrees with
+        for row in range(batch):
+            while accepted[row] < drafts and rng.random() < rates[row]:
+                accepted[row] += 1
+        committed = np.where(running, accepted + 1, 0)
+        result = RoundResult(drafted=jnp.asarray(np.where(running, drafts, 0)), accepted=jnp.asarray(accepted),
+                             committed=jnp.asarray(committed), tokens=None, hidden=None, lengths=None)
+        state = schedule.update(state, result, max_draft)
+        run.cost += float(schedule.round_price(jnp.asarray(drafts)))
+        run.rounds += 1
+        run.drafting += drafts > 0
+        run.probes += probing
+        done += committed
+    return run
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens a row")
+    parser.add_argument("--seeds", type=int, default=12, help="batches simulated a scenario (their mean is shown)")
+    args = parser.parse_args(argv)
+    print(f"{args.tokens} tokens a row, mean of {args.seeds} seeds\n")
+    print("| scenario | rounds | drafting rounds | probes | speedup the prices give |")
+    print("|---|---:|---:|---:|---:|")
+    for name, rates, verify_costs, draft_cost in SCENARIOS:
+        runs = [simulate(rates, verify_costs, draft_cost, args.tokens, seed) for seed in range(args.seeds)]
+        mean = {field: np.mean([getattr(r, field) for r in runs]) for field in ("rounds", "drafting", "probes")}
+        speedup = np.mean([args.tokens / r.cost for r in runs])
+        print(f"| {name} | {mean['rounds']:.1f} | {mean['drafting']:.1f} | {mean['probes']:.1f} | {speedup:.3f}x |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
