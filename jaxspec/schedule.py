@@ -105,9 +105,10 @@ class Schedule:
       draft (drafting-model steps, in target steps). Every row then drafts that length (a width already paid
       verifies a row's extra drafts for nothing). When no length beats a plain step, the batch does not draft,
       except for a one-draft probe whenever a row's cooldown is over; the cooldown follows 1, 2, 4, ... up to
-      MAX_COOLDOWN rounds (doubling while probes miss; `probe_spacing` times longer for drafters whose probe costs
-      more), so that text which starts to repeat is noticed. Rows probe together, so their cooldowns stay in step
-      and a batch probes no more often than one row would. On text the drafter cannot predict, drafting therefore
+      MAX_COOLDOWN rounds (doubling while probes miss; a row's hit counts only where the probe's tokens paid for the
+      batch's round; `probe_spacing` times longer for drafters whose probe costs more), so that text which starts
+      to repeat is noticed. Rows probe together, so their cooldowns stay in step and a batch probes no more often
+      than one row would. On text the drafter cannot predict, drafting therefore
       costs one cheap probe every ~33 rounds; on text it predicts, the batch drafts the length that pays best.
     - "constant": always K (HF's default for assistants, and what HF's prompt lookup does).
     - "heuristic" / "heuristic_transient": HF's rule, +2 after a round in which every draft was accepted (a round
@@ -325,8 +326,8 @@ class Schedule:
         # A probe is judged by what the batch got from it, as any round is: a row's hit in a probe whose tokens did
         # not pay for the batch's round still counts as a miss, so the rows back off together. Were a hit to make
         # its row due again at once, a batch of rows that each hit now and then would probe nearly every round
-        # (MTP on free text at batch 8: 23 of 27 rounds). At batch 1 a hit's two tokens pay for any probe that
-        # costs less than two plain steps, so a lone row re-probes at once, as before.
+        # (docs/design.md, 'Batches'). At batch 1 a hit's two tokens pay for any probe that costs less than two plain
+        # steps, so a lone row that hits probes again at once.
         probe_tokens = jnp.sum(jnp.where(active, jnp.where(tried, result.accepted, 0) + 1, 0))
         probe_paid = probe_tokens >= self.round_price(jnp.ones((), jnp.int32)) * jnp.sum(active)
         missed = tried & probe_round & ((result.accepted == 0) | ~probe_paid)
