@@ -8,8 +8,8 @@ here; `--help` prints the command for the version it finds), then run the script
 
     python benchmarks/device_check.py --tiny --max-new-tokens 16   # no catalogue package, no torch: CI on a CPU
 
-Models (jaxspec/catalog.py, offline): SmolLM2-135M runs plain decoding, prompt lookup, early exit, and MTP with the
-layers jaxspec ships for it (jaxspec/assets); Qwen2.5-Coder-1.5B runs speculative decoding with Qwen2.5-Coder-0.5B
+Models (jaxspec/catalog.py, offline): SmolLM2-135M runs plain decoding, prompt lookup, early exit, and MTP, DFlash
+and EAGLE-3 with the drafters jaxspec ships for it (jaxspec/assets); Qwen2.5-Coder-1.5B runs speculative decoding with Qwen2.5-Coder-0.5B
 as its assistant; Qwen2.5-Coder-0.5B runs universal decoding with SmolLM2 as its assistant (another tokenizer). A
 strategy whose model is not installed is listed as skipped with the pip command that brings it, and so is every
 other row of `jaxspec.STRATEGIES`, with the reason no model here runs it. `--tiny` writes a random 4-layer Llama
@@ -30,6 +30,12 @@ compilation cache (`JAXSPEC_COMPILATION_CACHE=off` disables it), so a second run
 
 Counters (GenerateOutput's, over the calls of the first timed pass): acceptance is accepted / drafted tokens;
 tokens/round is what a row commits per verification round (1 for plain decoding).
+
+Prices: the adaptive schedule times each compiled loop on its first call (jaxspec/costs.py) and stores what a round
+costs: a verify block of each width, a draft, a drafting round's fixed work. The "prices" lines print them in plain
+decoding steps (a round of width 1), as the schedule uses them: on an accelerator a block of a few tokens should
+cost about one step, where on a CPU a block of two costs about 1.4. A loop whose prices were stored by an earlier run
+is not timed again, and its line says so.
 
 Identity: every pass of every strategy is compared, row by row and token for token, with the untimed pass of plain
 greedy decoding of the same batch (plain decoding's own passes too: a run-to-run difference is a failure as well).
@@ -103,8 +109,9 @@ SMOLLM2, CODER_SMALL, CODER = "smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-cod
 # Why the rows of jaxspec.STRATEGIES that no model here runs are skipped (others: "no installed model runs it").
 UNPLANNED = {
     "mtp_drafter": "needs a Gemma 4 target and its MTP drafter checkpoint; the catalogue has neither",
-    "dflash": "no trained DFlash drafter ships yet (`jaxspec-train-dflash` trains one for --strategy dflash)",
 }
+# The drafter checkpoints jaxspec ships for SmolLM2 (jaxspec/assets), run with `assistant_model=`.
+SHIPPED_DRAFTER_STRATEGIES = ("dflash", "eagle3")
 
 
 def accelerator_pip_commands() -> list[str]:
@@ -122,7 +129,7 @@ class ModelPlan:
     name: str
     source: str  # what jaxspec.load reads
     strategies: tuple[str, ...]  # rows of jaxspec.STRATEGIES; plain decoding ("greedy") first: the reference
-    assistant: str | None = None  # catalogue name of the assistant model of `speculative` / `universal`
+    drafters: tuple[tuple[str, str], ...] = ()  # (strategy, what jaxspec.load reads for its `assistant_model`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,19 +163,28 @@ def catalog_plans() -> tuple[list[ModelPlan], list[Skip]]:
 
     plans, skips = [], []
     if reason := missing(SMOLLM2):
-        skips += [Skip(SMOLLM2, s, reason) for s in ("greedy", "prompt_lookup", "early_exit", "mtp")]
+        skips += [Skip(SMOLLM2, s, reason)
+                  for s in ("greedy", "prompt_lookup", "early_exit", "mtp", *SHIPPED_DRAFTER_STRATEGIES)]
     else:
+        strategies, drafters = ["greedy", "prompt_lookup", "early_exit"], []
         asset = catalog.get_entry(SMOLLM2).mtp_asset
-        shipped = asset is not None and os.path.exists(os.path.join(assets.asset_folder(asset), assets.MTP_FILE))
-        if not shipped:
+        if asset is not None and os.path.exists(os.path.join(assets.asset_folder(asset), assets.MTP_FILE)):
+            strategies.append("mtp")
+        else:
             skips.append(Skip(SMOLLM2, "mtp", f"its MTP layers (jaxspec/assets/{asset}) are missing from this install"))
-        strategies = ("greedy", "prompt_lookup", "early_exit") + (("mtp",) if shipped else ())
-        plans.append(ModelPlan(SMOLLM2, SMOLLM2, strategies))
+        for strategy in SHIPPED_DRAFTER_STRATEGIES:
+            name = catalog.shipped_drafter(SMOLLM2, strategy)
+            if name is not None and os.path.exists(os.path.join(assets.asset_folder(name), "config.json")):
+                strategies.append(strategy)
+                drafters.append((strategy, name))
+            else:
+                skips.append(Skip(SMOLLM2, strategy, f"its drafter (jaxspec/assets/{name}) is missing from this install"))
+        plans.append(ModelPlan(SMOLLM2, SMOLLM2, tuple(strategies), tuple(drafters)))
     for target, strategy, assistant in ((CODER, "speculative", CODER_SMALL), (CODER_SMALL, "universal", SMOLLM2)):
         if reason := missing(target, assistant):
             skips.append(Skip(target, strategy, reason))
         else:
-            plans.append(ModelPlan(target, target, ("greedy", strategy), assistant))
+            plans.append(ModelPlan(target, target, ("greedy", strategy), ((strategy, assistant),)))
     return plans, skips
 
 
@@ -176,6 +192,8 @@ def tiny_plans(folder: str) -> tuple[list[ModelPlan], list[Skip]]:
     skips = [Skip(TINY, "mtp", "the random checkpoint has no MTP layers (catalogue mode runs SmolLM2's)"),
              Skip(TINY, "speculative", "tiny mode loads no assistant model (catalogue mode runs Qwen's)"),
              Skip(TINY, "universal", "tiny mode has no tokenizer (catalogue mode runs Qwen + SmolLM2)")]
+    skips += [Skip(TINY, s, "tiny mode loads no drafter checkpoint (catalogue mode runs SmolLM2's shipped one)")
+              for s in SHIPPED_DRAFTER_STRATEGIES]
     return [ModelPlan(TINY, folder, TINY_STRATEGIES)], skips
 
 
@@ -211,8 +229,8 @@ def case_for(strategy: str, model, plan: ModelPlan, tiny: bool) -> Case:
                     kwargs)
     if strategy == "mtp":
         return Case(strategy, f"{model.config.num_mtp_layers} shipped layers", {"use_mtp": True})
-    if strategy in ("speculative", "universal"):
-        return Case(strategy, f"assistant {plan.assistant}", {})  # the loaded assistant is added by run_case
+    if strategy in ("speculative", "universal", *SHIPPED_DRAFTER_STRATEGIES):
+        return Case(strategy, f"assistant {dict(plan.drafters)[strategy]}", {})  # run_case adds the loaded drafter
     raise ValueError(f"no case for strategy {strategy!r}")
 
 
@@ -462,12 +480,12 @@ class ModelResult:
 
 
 def measure_model(plan: ModelPlan, args, bandwidth: dict[str, float | None]) -> ModelResult:
-    """Load the target (and its assistant), then measure its strategies at every batch size."""
+    """Load the target (and its drafters), then measure its strategies at every batch size."""
     import jaxspec
 
     started = time.perf_counter()
     model = jaxspec.load(plan.source, dtype=args.dtype)
-    assistant = jaxspec.load(plan.assistant, dtype=args.dtype) if plan.assistant else None
+    drafters = {strategy: jaxspec.load(source, dtype=args.dtype) for strategy, source in plan.drafters}
     load_seconds = time.perf_counter() - started
     cases = [case_for(strategy, model, plan, args.tiny) for strategy in plan.strategies]
     prompts = tiny_prompts(model.config.vocab_size) if args.tiny else text_prompts(model.tokenizer)
@@ -475,29 +493,36 @@ def measure_model(plan: ModelPlan, args, bandwidth: dict[str, float | None]) -> 
         "tokens")
 
     def run(case: Case, calls: list[tuple[str, ...]]) -> Run:
-        drafter = assistant if case.strategy in ("speculative", "universal") else None
-        return run_case(model, drafter, case, calls, prompts, args.max_new_tokens)
+        return run_case(model, drafters.get(case.strategy), case, calls, prompts, args.max_new_tokens)
 
     step_bytes = StepBytes.of(model)
     rows, notes = [], []
     for batch in args.batch_sizes:
-        batch_rows = measure_batch(plan.name, cases, batch_calls(list(prompts), batch), run, args.repeats)
+        batch_rows, price_notes = measure_batch(plan.name, cases, batch_calls(list(prompts), batch), run,
+                                                args.repeats)
         plain = batch_rows[0]
-        notes.append(roofline_line(plan.name, batch, step_bytes, plain.passes, prompts, bandwidth))
+        batch_notes = [*price_notes, roofline_line(plan.name, batch, step_bytes, plain.passes, prompts, bandwidth)]
         if rows:
-            notes.append(batch_invariance_line(plan.name, rows[0], plain))
+            batch_notes.append(batch_invariance_line(plan.name, rows[0], plain))
+        log("\n".join([table(batch_rows), *batch_notes]))  # what a run cut off by a time limit has measured so far
+        notes += batch_notes
         rows += batch_rows
     return ModelResult(rows, notes, load_seconds)
 
 
-def measure_batch(model: str, cases: list[Case], calls: list[tuple[str, ...]], run, repeats: int) -> list[Row]:
+def measure_batch(model: str, cases: list[Case], calls: list[tuple[str, ...]], run,
+                  repeats: int) -> tuple[list[Row], list[str]]:
     """Every case (plain decoding first) over one batch size's calls: an untimed pass each, then `repeats` passes
-    that run the cases back to back, so a change of the machine's load lands on a case and its baseline alike."""
+    that run the cases back to back, so a change of the machine's load lands on a case and its baseline alike.
+    Returns the rows and, per drafting case, the line of the step prices its first call timed."""
     batch = len(calls[0])
-    warmups = {}
+    warmups, price_notes = {}, []
     for case in cases:
+        before = stored_prices()
         warmups[case.strategy] = run(case, calls)
         log(f"  batch {batch} {case.strategy}: compiled in {warmups[case.strategy].compile_seconds:.1f} s")
+        if case.strategy != "greedy":
+            price_notes.append(prices_line(model, batch, case.strategy, before, stored_prices()))
     passes: dict[str, list[Run]] = {case.strategy: [] for case in cases}
     for _ in range(repeats):
         for case in cases:
@@ -510,7 +535,37 @@ def measure_batch(model: str, cases: list[Case], calls: list[tuple[str, ...]], r
         speedup = statistics.median(mine.tokens_per_second / base.tokens_per_second
                                     for mine, base in zip(passes[case.strategy], passes[cases[0].strategy]))
         rows.append(Row(model, case, batch, runs[0], runs[1:], speedup, mismatch))
-    return rows
+    return rows, price_notes
+
+
+def stored_prices() -> dict[str, float]:
+    """The step-cost file of the adaptive schedule (jaxspec/costs.py): milliseconds a round, by loop and part."""
+    from jaxspec import costs
+
+    try:
+        with open(costs.cache_path(), encoding="utf-8") as handle:
+            entries = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def prices_line(model: str, batch: int, strategy: str, before: dict[str, float], after: dict[str, float]) -> str:
+    """The prices a strategy's first call timed (the entries it added to the step-cost file), in plain steps. Keys
+    end in `|verify|W`, `|draft` or `|round` after the loop's prefix (costs._loop_key_prefix)."""
+    label = f"prices {model} batch {batch} {strategy}"
+    added = {key: ms for key, ms in after.items() if key not in before}
+    verify = {int(key.rsplit("|", 1)[1]): ms for key, ms in added.items() if key.rsplit("|", 2)[1] == "verify"}
+    if 1 not in verify:
+        return f"{label}: none timed in this run (stored by an earlier one, or this loop is not priced)"
+    step = verify[1]
+    widths = ", ".join(f"{w}: {ms / step:.2f}" for w, ms in sorted(verify.items()) if w > 1)
+    line = f"{label}: a plain step {step:.2f} ms; verify width {widths} steps"
+    parts = {key.rsplit("|", 1)[1]: ms for key, ms in added.items() if key.rsplit("|", 1)[1] in ("draft", "round")}
+    if parts:
+        line += (f"; a draft {parts.get('draft', 0.0) / step:.2f}, a drafting round's fixed work "
+                 f"{parts.get('round', 0.0) / step:.2f} steps")
+    return line
 
 
 def batch_invariance_line(model: str, first: Row, other: Row) -> str:

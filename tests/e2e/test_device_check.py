@@ -65,7 +65,7 @@ def test_tiny_mode_runs_every_strategy_at_every_batch_size_identically(tiny_run)
     for batch in BATCH_SIZES:
         assert f"roofline tiny-llama batch {batch}: " in tiny_run.stdout
     assert "of measured" in tiny_run.stdout and "nominal n/a" in tiny_run.stdout  # a CPU is not in the table
-    assert "skipped dflash (-): no trained DFlash drafter ships yet" in tiny_run.stdout
+    assert "skipped dflash (tiny-llama): tiny mode loads no drafter checkpoint" in tiny_run.stdout
     assert "every greedy output equals plain greedy decoding token for token" in tiny_run.stdout
 
 
@@ -89,6 +89,39 @@ def test_batches_take_the_prompts_in_turn(device_check):
     assert device_check.batch_calls(["edit", "summary"], 1) == [("edit",), ("summary",)]
     assert device_check.batch_calls(["edit", "summary"], 8) == [("edit", "summary") * 4]
     assert device_check.batch_calls(["edit", "summary"], 3) == [("edit", "summary", "edit")]
+
+
+def test_catalogue_mode_runs_every_drafter_shipped_for_smollm2(device_check, monkeypatch):
+    """With SmolLM2 installed (and no Qwen), its plan runs MTP and the shipped DFlash and EAGLE-3 drafters, each
+    loaded as the `assistant_model` of its own strategy; the Qwen pairs are skipped with their pip command."""
+    from jaxspec import catalog
+
+    def find_part_files(entry):
+        if entry.name != device_check.SMOLLM2:
+            raise FileNotFoundError(entry.name)
+        return []
+
+    monkeypatch.setattr(catalog, "find_part_files", find_part_files)
+    plans, skips = device_check.catalog_plans()
+    (plan,) = plans
+    assert plan.strategies == ("greedy", "prompt_lookup", "early_exit", "mtp", "dflash", "eagle3")
+    assert dict(plan.drafters) == {"dflash": "smollm2-135m-dflash", "eagle3": "smollm2-135m-eagle3"}
+    assert {(s.model, s.strategy) for s in skips} == {(device_check.CODER, "speculative"),
+                                                      (device_check.CODER_SMALL, "universal")}
+    case = device_check.case_for("dflash", None, plan, tiny=False)
+    assert case.kwargs == {} and case.settings == "assistant smollm2-135m-dflash"
+
+
+def test_prices_line_reads_what_the_first_call_timed(device_check):
+    """The step-cost entries a call added, in plain steps (a round of width 1); entries stored earlier are not."""
+    prefix = "host|gpu:NVIDIA H200|0.11.2|arch|code|verify|loop|abc|8x"
+    before = {"other|verify|1": 9.0}
+    after = before | {f"{prefix}|verify|1": 2.0, f"{prefix}|verify|2": 2.1, f"{prefix}|verify|8": 2.5,
+                      f"{prefix}|draft": 0.2, f"{prefix}|round": 0.4}
+    line = device_check.prices_line("m", 8, "dflash", before, after)
+    assert line == ("prices m batch 8 dflash: a plain step 2.00 ms; verify width 2: 1.05, 8: 1.25 steps; a draft "
+                    "0.10, a drafting round's fixed work 0.20 steps")
+    assert "none timed in this run" in device_check.prices_line("m", 8, "dflash", after, after)
 
 
 def test_nominal_bandwidth_by_device_kind(device_check):
