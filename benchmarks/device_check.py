@@ -619,13 +619,16 @@ def table(rows: list[Row]) -> str:
 def header(args, bandwidth: dict[str, float | None]) -> list[str]:
     import jax
 
+    from jaxspec import inplace
+
     count = jax.device_count()
     nominal = f"{bandwidth['nominal'] / 1e9:.0f} GB/s" if bandwidth["nominal"] else "n/a for this device kind"
     title = (f"# jaxspec device check: {jax.devices()[0].device_kind} ({jax.default_backend()}; {count} device"
              f"{'s, one used' if count > 1 else ''}), jax {jax.__version__}")
     settings = (f"{args.dtype}, greedy, {args.max_new_tokens} new tokens per row, "
                 f"{'token-id' if args.tiny else 'chat'} prompts {' and '.join(PROMPT_TEXTS)} taken in turn by the "
-                f"rows; median of {args.repeats} timed pass{'es' if args.repeats > 1 else ''} after a warm-up. Read "
+                f"rows; median of {args.repeats} timed pass{'es' if args.repeats > 1 else ''} after a warm-up; "
+                f"run-time branches: {inplace.MODE} (JAXSPEC_BRANCHES). Read "
                 f"bandwidth measured {bandwidth['measured'] / 1e9:.1f} GB/s ({args.bandwidth_mb} MB float32 "
                 f"matrix-vector product), nominal {nominal}.")
     return [title, "", settings, ""]

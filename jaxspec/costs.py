@@ -37,6 +37,7 @@ from flax import nnx
 
 import numpy as np
 
+from . import inplace
 from .loading import Model
 from .schedule import Prices, Schedule
 from .tree import TreeShape
@@ -218,14 +219,15 @@ def fit_drafting(verify_ms: dict[int, float], rounds: list[tuple[float, float]])
 
 def _loop_key_prefix(spec, target: Model, assistant: Model | None, batch: int) -> str:
     """What a loop's round costs depend on: the machine and the target (`_key_prefix`), the assistant, the
-    drafter's static settings (its simple fields: lengths, layers, widths, tree), sampling, and the batch."""
+    drafter's static settings (its simple fields: lengths, layers, widths, tree), sampling, how run-time branches
+    run (`inplace.MODE`), and the batch."""
     drafter, schedule = spec.drafter, spec.drafter.schedule
     simple = (int, float, str, bool, tuple, TreeShape, type(None))
     settings = sorted((field.name, repr(getattr(drafter, field.name))) for field in dataclasses.fields(drafter)
                       if field.compare and isinstance(getattr(drafter, field.name), simple))
     assistant_key = None if assistant is None or assistant is target else _key_prefix(assistant, verifying=False)
     described = repr((type(drafter).__name__, settings, schedule.kind, schedule.widths, schedule.entries_per_draft,
-                      schedule.node_budget, spec.verify_widths, spec.do_sample, assistant_key))
+                      schedule.node_budget, spec.verify_widths, spec.do_sample, assistant_key, inplace.MODE))
     package = os.path.dirname(__file__)
     code = _source_hash(package) + _source_hash(os.path.join(package, "strategies"))  # the loop's own code
     described = hashlib.sha256((described + code).encode()).hexdigest()[:16]

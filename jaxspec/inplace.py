@@ -9,16 +9,35 @@ stays in the same buffer throughout.
 
 Branches are `state -> (state, out)`: `state` (the caches, and whatever else is updated) keeps its structure and
 shapes; `out` is whatever else the branch returns, the same structure and shapes for every branch.
+
+That choice was measured on a CPU. XLA's GPU runtime reads a while loop's or a conditional's predicate back to the
+host before it launches what follows (outside CUDA graphs), so N branches as N loops wait on the device N + 1
+times where `lax.switch` waits once, while a cache copy there takes microseconds for a small model.
+`JAXSPEC_BRANCHES=lax` (read once, at import) runs every branch as `lax.switch` / `lax.cond` instead, so that both
+can be timed on a device (docs/design.md, 'On a GPU').
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 Branch = Callable[[Any], tuple[Any, Any]]
+
+MODES = ("inplace", "lax")
+
+
+def _mode_from_environment() -> str:
+    value = os.environ.get("JAXSPEC_BRANCHES", "inplace").strip().lower() or "inplace"
+    if value not in MODES:
+        raise ValueError(f"JAXSPEC_BRANCHES={value!r} is not one of {', '.join(MODES)}.")
+    return value
+
+
+MODE = _mode_from_environment()  # how run-time branches run in the loops this process compiles
 
 
 def switch(index: jax.Array, branches: Sequence[Branch], state: Any) -> tuple[Any, Any]:
@@ -27,7 +46,11 @@ def switch(index: jax.Array, branches: Sequence[Branch], state: Any) -> tuple[An
     index: [] int. -> (state, out) of the branch it selects.
     """
     out_shapes = jax.eval_shape(lambda s: branches[0](s)[1], state)
-    out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
+    out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)  # what a run of no branch returns
+    if MODE == "lax":
+        # lax.switch clamps its index, so running none is one more branch, selected by any index out of range.
+        in_range = (index >= 0) & (index < len(branches))
+        return jax.lax.switch(jnp.where(in_range, index, len(branches)), [*branches, lambda s: (s, out)], state)
     for i, branch in enumerate(branches):
 
         def run_once(carry, branch=branch):
@@ -41,4 +64,6 @@ def switch(index: jax.Array, branches: Sequence[Branch], state: Any) -> tuple[An
 
 def cond(pred: jax.Array, true_branch: Branch, false_branch: Branch, state: Any) -> tuple[Any, Any]:
     """`lax.cond(pred, true_branch, false_branch, state)` with `state` updated in place. pred: [] bool."""
+    if MODE == "lax":
+        return jax.lax.cond(pred, true_branch, false_branch, state)
     return switch(pred.astype(jnp.int32), (false_branch, true_branch), state)

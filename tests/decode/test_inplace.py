@@ -25,8 +25,17 @@ def _branches():
     return [write(i) for i in range(3)]
 
 
+@pytest.fixture(params=inplace.MODES)
+def mode(request, monkeypatch):
+    """Each way a branch can run (JAXSPEC_BRANCHES): in place, as while loops of zero or one trip, or lax's."""
+    monkeypatch.setattr(inplace, "MODE", request.param)
+    loop._compiled.clear()  # loops compiled under the other mode
+    yield request.param
+    loop._compiled.clear()
+
+
 @pytest.mark.parametrize("index", [0, 1, 2])
-def test_switch_runs_the_selected_branch_once(index):
+def test_switch_runs_the_selected_branch_once(index, mode):
     state = (jnp.zeros(4, jnp.int32), jnp.zeros((), jnp.int32))
     (buffer, calls), out = jax.jit(lambda i, s: inplace.switch(i, _branches(), s))(jnp.int32(index), state)
     expected = np.zeros(4, np.int32)
@@ -34,9 +43,10 @@ def test_switch_runs_the_selected_branch_once(index):
     assert buffer.tolist() == expected.tolist() and int(calls) == 1 and float(out) == 10 * index
 
 
-def test_switch_out_of_range_runs_nothing_and_cond_picks_by_predicate():
+@pytest.mark.parametrize("index", [3, -1])
+def test_switch_out_of_range_runs_nothing_and_cond_picks_by_predicate(index, mode):
     state = (jnp.full(4, 7, jnp.int32), jnp.zeros((), jnp.int32))
-    (buffer, calls), out = inplace.switch(jnp.int32(3), _branches(), state)
+    (buffer, calls), out = jax.jit(lambda i, s: inplace.switch(i, _branches(), s))(jnp.int32(index), state)
     assert buffer.tolist() == [7] * 4 and int(calls) == 0 and float(out) == 0.0
     branches = _branches()
     (buffer, _), out = inplace.cond(jnp.bool_(True), branches[2], branches[1], state)
@@ -106,3 +116,22 @@ def test_attention_copies_no_layer_cache(tmp_path, family):
     assert all(f"f32[{','.join(map(str, x.shape))}]" in text for x in stacks)  # the caches are in the loop ...
     for x in stacks:
         assert _layer_cache_copies(text, x.shape[1:]) == []  # ... and no layer of them is rearranged
+
+
+def test_lax_branches_decode_the_same_tokens_with_conditionals_in_the_loop(tiny_llama_dir, monkeypatch):
+    """JAXSPEC_BRANCHES=lax, the A/B for accelerators: the same greedy tokens as the in-place branches, from a
+    rounds loop in which the in-place branches' while loops became XLA conditionals."""
+    target = jaxspec.load(tiny_llama_dir)
+    outputs, conditionals, loops = {}, {}, {}
+    for mode in inplace.MODES:
+        monkeypatch.setattr(inplace, "MODE", mode)
+        loop._compiled.clear()
+        out = jaxspec.generate(target, [[5, 6, 7, 8, 5, 6], [9, 3]], max_new_tokens=12, eos_token_id=[],
+                               prompt_lookup_num_tokens=4)
+        (text,) = [compiled.as_text() for key, compiled in loop._compiled.items() if key[1] == "rounds"]
+        outputs[mode] = [out.new_tokens(row).tolist() for row in range(2)]
+        conditionals[mode] = len(re.findall(r" conditional\(", text))
+        loops[mode] = len(re.findall(r" while\(", text))
+    loop._compiled.clear()
+    assert outputs["lax"] == outputs["inplace"]
+    assert conditionals["lax"] > conditionals["inplace"] and loops["lax"] < loops["inplace"], (conditionals, loops)
