@@ -10,11 +10,12 @@ stays in the same buffer throughout.
 Branches are `state -> (state, out)`: `state` (the caches, and whatever else is updated) keeps its structure and
 shapes; `out` is whatever else the branch returns, the same structure and shapes for every branch.
 
-That choice was measured on a CPU. XLA's GPU runtime reads a while loop's or a conditional's predicate back to the
-host before it launches what follows (outside CUDA graphs), so N branches as N loops wait on the device N + 1
-times where `lax.switch` waits once, while a cache copy there takes microseconds for a small model.
-`JAXSPEC_BRANCHES=lax` (read once, at import) runs every branch as `lax.switch` / `lax.cond` instead, so that both
-can be timed on a device (docs/design.md, 'On a GPU').
+That choice was measured on a CPU. On a GPU, XLA records a conditional into a CUDA graph that branches on the
+device (its CONDITIONAL command, on by default since openxla/xla#23427), where a while loop often cannot be
+recorded (openxla/xla#19528) and then reads its predicate back to the host on every trip, stalling the launches
+after it; a cache copy there takes microseconds for a small model. `JAXSPEC_BRANCHES=lax` (read once, at import)
+runs every branch as `lax.switch` / `lax.cond` instead, so that both can be timed on a device (docs/design.md, 'On
+a GPU').
 """
 
 from __future__ import annotations
