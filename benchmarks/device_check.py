@@ -9,12 +9,13 @@ here; `--help` prints the command for the version it finds), then run the script
     python benchmarks/device_check.py --tiny --max-new-tokens 16   # no catalogue package, no torch: CI on a CPU
 
 Models (jaxspec/catalog.py, offline): SmolLM2-135M runs plain decoding, prompt lookup, early exit, and MTP, DFlash
-and EAGLE-3 with the drafters jaxspec ships for it (jaxspec/assets); Qwen2.5-Coder-1.5B runs speculative decoding with Qwen2.5-Coder-0.5B
-as its assistant; Qwen2.5-Coder-0.5B runs universal decoding with SmolLM2 as its assistant (another tokenizer). A
-strategy whose model is not installed is listed as skipped with the pip command that brings it, and so is every
-other row of `jaxspec.STRATEGIES`, with the reason no model here runs it. `--tiny` writes a random 4-layer Llama
-(config.json and model.safetensors) to a temporary folder instead, prompts it with token ids, and runs plain
-decoding, prompt lookup and early exit in float32: the same table, without a package, a tokenizer or torch.
+and EAGLE-3 with the drafters jaxspec ships for it (jaxspec/assets); Qwen2.5-Coder-1.5B runs speculative decoding
+with Qwen2.5-Coder-0.5B as its assistant; Qwen2.5-Coder-0.5B runs universal decoding with SmolLM2 as its assistant
+(another tokenizer). A strategy whose model is not installed is listed as skipped with the pip command that brings
+it, and so is every other row of `jaxspec.STRATEGIES`, with the reason no model here runs it. `--tiny` writes a
+random 4-layer Llama (config.json and model.safetensors) to a temporary folder instead, prompts it with token ids,
+and runs plain decoding, prompt lookup and early exit in float32: the same table, without a package, a tokenizer or
+torch.
 
 Workload: two fixed prompts, a code edit (its answer repeats most of the prompt: prompt lookup's home ground) and a
 summary (free prose), greedy, `--max-new-tokens` per row. At batch B a call holds B rows that take the prompts in
@@ -35,7 +36,8 @@ Prices: the adaptive schedule times each compiled loop on its first call (jaxspe
 costs: a verify block of each width, a draft, a drafting round's fixed work. The "prices" lines print them in plain
 decoding steps (a round of width 1), as the schedule uses them: on an accelerator a block of a few tokens should
 cost about one step, where on a CPU a block of two costs about 1.4. A loop whose prices were stored by an earlier run
-is not timed again, and its line says so.
+is not timed again, and its line says so. The header names how the loops' run-time branches run: run the script
+again with `JAXSPEC_BRANCHES=lax` to time XLA conditionals against the default in-place loops (jaxspec/inplace.py).
 
 Identity: every pass of every strategy is compared, row by row and token for token, with the untimed pass of plain
 greedy decoding of the same batch (plain decoding's own passes too: a run-to-run difference is a failure as well).
@@ -178,7 +180,8 @@ def catalog_plans() -> tuple[list[ModelPlan], list[Skip]]:
                 strategies.append(strategy)
                 drafters.append((strategy, name))
             else:
-                skips.append(Skip(SMOLLM2, strategy, f"its drafter (jaxspec/assets/{name}) is missing from this install"))
+                reason = f"its drafter (jaxspec/assets/{name}) is missing from this install"
+                skips.append(Skip(SMOLLM2, strategy, reason))
         plans.append(ModelPlan(SMOLLM2, SMOLLM2, tuple(strategies), tuple(drafters)))
     for target, strategy, assistant in ((CODER, "speculative", CODER_SMALL), (CODER_SMALL, "universal", SMOLLM2)):
         if reason := missing(target, assistant):
