@@ -518,14 +518,16 @@ def measure_batch(model: str, cases: list[Case], calls: list[tuple[str, ...]], r
     """Every case (plain decoding first) over one batch size's calls: an untimed pass each, then `repeats` passes
     that run the cases back to back, so a change of the machine's load lands on a case and its baseline alike.
     Returns the rows and, per drafting case, the line of the step prices its first call timed."""
+    from jaxspec import costs
+
     batch = len(calls[0])
     warmups, price_notes = {}, []
     for case in cases:
-        before = stored_prices()
+        before = costs.read_cache()
         warmups[case.strategy] = run(case, calls)
         log(f"  batch {batch} {case.strategy}: compiled in {warmups[case.strategy].compile_seconds:.1f} s")
         if case.strategy != "greedy":
-            price_notes.append(prices_line(model, batch, case.strategy, before, stored_prices()))
+            price_notes.append(prices_line(model, batch, case.strategy, before, costs.read_cache()))
     passes: dict[str, list[Run]] = {case.strategy: [] for case in cases}
     for _ in range(repeats):
         for case in cases:
@@ -539,18 +541,6 @@ def measure_batch(model: str, cases: list[Case], calls: list[tuple[str, ...]], r
                                     for mine, base in zip(passes[case.strategy], passes[cases[0].strategy]))
         rows.append(Row(model, case, batch, runs[0], runs[1:], speedup, mismatch))
     return rows, price_notes
-
-
-def stored_prices() -> dict[str, float]:
-    """The step-cost file of the adaptive schedule (jaxspec/costs.py): milliseconds a round, by loop and part."""
-    from jaxspec import costs
-
-    try:
-        with open(costs.cache_path(), encoding="utf-8") as handle:
-            entries = json.load(handle)
-    except (OSError, ValueError):
-        return {}
-    return entries if isinstance(entries, dict) else {}
 
 
 def prices_line(model: str, batch: int, strategy: str, before: dict[str, float], after: dict[str, float]) -> str:

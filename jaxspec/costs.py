@@ -72,7 +72,7 @@ def _stored(keys, remeasure: bool, measure) -> dict[str, float]:
     """{key: milliseconds} for `keys`: from the cache file, and `measure(missing keys) -> {key: ms}` for the rest,
     which are written to it. Rounded as stored, so this call prices the schedule exactly as later ones that read the
     file (the same costs, the same compiled loop)."""
-    stored = {} if remeasure else _read_cache()
+    stored = {} if remeasure else read_cache()
     missing = [key for key in keys if key not in stored]
     if missing:
         measured = {key: round(ms, 4) for key, ms in measure(missing).items()}
@@ -345,8 +345,9 @@ def cache_path() -> str:
     return os.path.join(cache_root(), CACHE_FILE)
 
 
-def _read_cache() -> dict[str, float]:
-    """The stored entries; an unreadable file counts as empty (it is rewritten whole on the next measurement)."""
+def read_cache() -> dict[str, float]:
+    """The stored prices: milliseconds a round, keyed by a loop's `_loop_key_prefix` and the part timed (`|verify|W`,
+    `|draft`, `|round`). An unreadable file counts as empty (it is rewritten whole on the next measurement)."""
     try:
         with open(cache_path(), encoding="utf-8") as handle:
             entries = json.load(handle)
@@ -361,7 +362,7 @@ def _write_cache(entries: dict[str, float]) -> None:
     path = cache_path()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        merged = _read_cache() | entries
+        merged = read_cache() | entries
         handle = tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), prefix=f".{CACHE_FILE}.",
                                              suffix=".tmp", delete=False, encoding="utf-8")
         with handle:
