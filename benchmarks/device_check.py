@@ -36,8 +36,10 @@ Prices: the adaptive schedule times each compiled loop on its first call (jaxspe
 costs: a verify block of each width, a draft, a drafting round's fixed work. The "prices" lines print them in plain
 decoding steps (a round of width 1), as the schedule uses them: on an accelerator a block of a few tokens should
 cost about one step, where on a CPU a block of two costs about 1.4. A loop whose prices were stored by an earlier run
-is not timed again, and its line says so. The header names how the loops' run-time branches run: run the script
-again with `JAXSPEC_BRANCHES=lax` to time XLA conditionals against the default in-place loops (jaxspec/inplace.py).
+is not timed again, and its line says so. The header names how the loops' run-time branches run and which verify
+widths they compile: run the script again with `JAXSPEC_BRANCHES=lax` to time XLA conditionals against the default
+in-place loops (jaxspec/inplace.py), or with `JAXSPEC_VERIFY_WIDTHS=ends` to compile blocks of 1 and K + 1 only
+(jaxspec/schedule.py, `verify_widths`).
 
 Identity: every pass of every strategy is compared, row by row and token for token, with the untimed pass of plain
 greedy decoding of the same batch (plain decoding's own passes too: a run-to-run difference is a failure as well).
@@ -612,7 +614,7 @@ def table(rows: list[Row]) -> str:
 def header(args, bandwidth: dict[str, float | None]) -> list[str]:
     import jax
 
-    from jaxspec import inplace
+    from jaxspec import inplace, schedule
 
     count = jax.device_count()
     nominal = f"{bandwidth['nominal'] / 1e9:.0f} GB/s" if bandwidth["nominal"] else "n/a for this device kind"
@@ -621,7 +623,8 @@ def header(args, bandwidth: dict[str, float | None]) -> list[str]:
     settings = (f"{args.dtype}, greedy, {args.max_new_tokens} new tokens per row, "
                 f"{'token-id' if args.tiny else 'chat'} prompts {' and '.join(PROMPT_TEXTS)} taken in turn by the "
                 f"rows; median of {args.repeats} timed pass{'es' if args.repeats > 1 else ''} after a warm-up; "
-                f"run-time branches: {inplace.MODE} (JAXSPEC_BRANCHES). Read "
+                f"run-time branches: {inplace.MODE} (JAXSPEC_BRANCHES); verify widths: {schedule.WIDTH_RULE} "
+                f"(JAXSPEC_VERIFY_WIDTHS). Read "
                 f"bandwidth measured {bandwidth['measured'] / 1e9:.1f} GB/s ({args.bandwidth_mb} MB float32 "
                 f"matrix-vector product), nominal {nominal}.")
     return [title, "", settings, ""]

@@ -8,6 +8,7 @@ measures those prices on the decoding machine. See docs/design.md, 'The adaptive
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING
 
 import jax
@@ -44,10 +45,29 @@ class DraftLength:
     available: jax.Array
 
 
+WIDTH_RULES = ("powers", "ends")
+
+
+def _width_rule_from_environment() -> str:
+    value = os.environ.get("JAXSPEC_VERIFY_WIDTHS", "powers").strip().lower() or "powers"
+    if value not in WIDTH_RULES:
+        raise ValueError(f"JAXSPEC_VERIFY_WIDTHS={value!r} is not one of {', '.join(WIDTH_RULES)}.")
+    return value
+
+
+WIDTH_RULE = _width_rule_from_environment()  # read once: the widths are part of every compiled loop's key
+
+
 def verify_widths(max_draft: int) -> tuple[int, ...]:
     """The static widths a verify block may have: 1, the powers of two below K + 1, and K + 1. Each compiles once
-    (jaxspec.generate picks the narrowest that holds a round's drafts)."""
+    (jaxspec.generate picks the narrowest that holds a round's drafts).
+
+    `JAXSPEC_VERIFY_WIDTHS=ends` keeps 1 and K + 1 only. On a CPU every draft then pays for the widest block; on an
+    accelerator, where a block of K + 1 can cost about one step, fewer widths are fewer copies of the forward to
+    compile and fewer branches to wait on in a round (docs/design.md, 'On a GPU'): an A/B for a device."""
     k1 = max_draft + 1
+    if WIDTH_RULE == "ends":
+        return tuple(sorted({1, k1}))
     return tuple(sorted({1, k1} | {2**i for i in range(k1.bit_length()) if 2**i < k1}))
 
 

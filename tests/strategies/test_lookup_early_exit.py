@@ -120,6 +120,24 @@ def test_prompt_lookup_backs_off_where_nothing_copies(target):
     assert adaptive.drafted.sum() < constant.drafted.sum() / 4
 
 
+def test_verify_widths_at_the_ends_decode_the_same_tokens(target, monkeypatch):
+    """JAXSPEC_VERIFY_WIDTHS=ends, an A/B for accelerators: blocks of 1 and K + 1 only, from a loop that compiled
+    those two, and the same greedy tokens as the default widths (1, the powers of two, K + 1)."""
+    from jaxspec import loop, schedule
+
+    widths, sequences = {}, {}
+    for rule in schedule.WIDTH_RULES:
+        monkeypatch.setattr(schedule, "WIDTH_RULE", rule)
+        loop._compiled.clear()  # loops compiled under the other rule
+        out = jaxspec.generate(target, REPETITIVE, max_new_tokens=N, prompt_lookup_num_tokens=10, eos_token_id=[])
+        (widths[rule],) = [key[0].verify_widths for key in loop._compiled if key[1] == "rounds"]
+        sequences[rule] = out.sequences
+        assert out.drafted.sum() > 0
+    loop._compiled.clear()
+    assert widths == {"powers": (1, 2, 4, 8, 11), "ends": (1, 11)}
+    np.testing.assert_array_equal(sequences["ends"], sequences["powers"])
+
+
 def test_min_matching_ngram_size_ignores_shorter_matches(target):
     """A sequence whose last token recurs but whose last two tokens never do has a 1-gram match only: with
     min_matching_ngram_size=2 it proposes nothing. On a prompt where single tokens recur and pairs do not, fewer
