@@ -1,7 +1,7 @@
 """What a decoding round costs inside the compiled loop, by the number of drafts it verifies, against a plain step.
 
     python benchmarks/bench_round_cost.py [--model smollm2-135m] [--drafts 0,1,3,7] [--max-draft 10] [--repeats 4]
-        [--assistant smollm2-135m --assistant-drafts 1,2] [--results benchmarks/results]
+        [--assistant smollm2-135m --assistant-drafts 1,2] [--random-config CONFIG.json] [--results benchmarks/results]
 
 A drafter that proposes d fixed tokens every round (all of them rejected, so every round commits one token) runs
 through `jaxspec.generate`'s loop with K = `--max-draft`, next to plain decoding, on the story prompt of
@@ -20,6 +20,12 @@ median of `--repeats` calls, interleaved) and the ratio to plain decoding, side 
   head step per draft after the first: the difference between its d = 1 and d = 4 rounds, beyond the fixed drafts',
   is three head steps.
 
+`--random-config CONFIG.json`: instead of `--model`, a target of that Hugging Face config's shape with random weights
+(in jaxspec's default dtype: bfloat16 on accelerators) and a prompt of random token ids as long as the story's. A
+round's cost needs no trained weights, since the fixed drafts are timed whatever is accepted, so this times the rounds
+of a model too large to bring to the machine (an 8B Llama's config.json is 1 kB; its weights 16 GB). `--assistant`
+needs a real target.
+
 The table also goes to a JSON record in `--results` (benchmarks/_record.py). Run it as a script, as above: its
 siblings in benchmarks/ (the prompt set, the record) import because Python puts the script's folder on sys.path.
 """
@@ -28,8 +34,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
+
+import numpy as np
 
 from _bench_prompts import STORY
 from _record import Record, add_results_argument
@@ -44,8 +53,12 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--assistant", default=None, help="a catalogue name or path: also time its drafting rounds")
     p.add_argument("--assistant-drafts", default="1,2")
+    p.add_argument("--random-config", default=None,
+                   help="an HF config.json: time a target of its shape with random weights instead of --model")
     add_results_argument(p)
     args = p.parse_args(argv)
+    if args.random_config and args.assistant:
+        p.error("--assistant drafts for a trained target: it cannot be combined with --random-config")
     record = Record("bench_round_cost", __file__, argv, args.results)
 
     import jax.numpy as jnp
@@ -67,11 +80,18 @@ def main(argv=None) -> None:
             count = jnp.full((batch,), self.drafts, jnp.int32)
             return DraftStep(Draft(tokens=tokens, count=count), state, jnp.zeros((), jnp.int32), loop.cache)
 
-    model = jaxspec.load(args.model)
-    tokenizer = model.tokenizer
-    text = tokenizer.apply_chat_template([{"role": "user", "content": STORY}], tokenize=False,
-                                         add_generation_prompt=True)
-    ids = [tokenizer(text, add_special_tokens=False)["input_ids"]]
+    if args.random_config:
+        model = random_model(args.random_config)
+        c = model.hf_config
+        args.model = (f"random {c.get('model_type')} ({c.get('num_hidden_layers')} layers of "
+                      f"{c.get('hidden_size')}, {os.path.basename(args.random_config)})")
+        ids = [np.random.default_rng(0).integers(0, model.config.vocab_size, STORY_TOKENS).tolist()]
+    else:
+        model = jaxspec.load(args.model)
+        tokenizer = model.tokenizer
+        text = tokenizer.apply_chat_template([{"role": "user", "content": STORY}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = [tokenizer(text, add_special_tokens=False)["input_ids"]]
     settings = settings_lib.resolve(model, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=[])
     drafters = {"plain decoding": Drafter(0)}
     for d in (int(x) for x in args.drafts.split(",")):
@@ -117,6 +137,24 @@ def main(argv=None) -> None:
                      "vs_plain_step": ms / plain})
     record.write(rows, [args.model], title=title,
                  settings={k: v for k, v in vars(args).items() if k not in ("model", "results")})
+
+
+STORY_TOKENS = 180  # about the story prompt's length in SmolLM2's chat template
+
+
+def random_model(config_path: str):
+    """A target of `config_path`'s shape (an HF config.json) with random weights, built on the default device."""
+    import json
+
+    from flax import nnx
+
+    from jaxspec.loading import Model, config_from_hf, default_dtype
+
+    with open(config_path, encoding="utf-8") as handle:
+        hf_config = json.load(handle)
+    family, cfg = config_from_hf(hf_config, config_path)
+    module = family.model_cls()(cfg, dtype=default_dtype(), rngs=nnx.Rngs(0))
+    return Model(module, cfg, hf_config, source=config_path)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,41 @@
+"""benchmarks/bench_round_cost.py --random-config: a round's cost timed on a target of a config's shape with random
+weights, so that a model too large to bring to a lent accelerator can still be timed there (docs/design.md, 'On a
+GPU')."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+TINY_CONFIG = dict(
+    model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu", tie_word_embeddings=False, bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def test_random_config_times_rounds_of_that_shape(tmp_path, capsys):
+    import bench_round_cost  # benchmarks/ is on sys.path (pyproject's pythonpath)
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    results = tmp_path / "results"
+    bench_round_cost.main(["--random-config", str(config), "--drafts", "0,1", "--max-draft", "1",
+                           "--max-new-tokens", "4", "--repeats", "1", "--results", str(results)])
+    printed = capsys.readouterr().out
+    assert "random llama (2 layers of 64, config.json)" in printed
+    for row in ("| plain decoding | ", "| K=1, 0 draft(s) | ", "| K=1, 1 draft(s) | "):
+        assert row in printed, printed
+    (record,) = results.iterdir()
+    rows = json.loads(record.read_text())["rows"]
+    assert [row["round"] for row in rows] == ["plain decoding", "K=1, 0 draft(s)", "K=1, 1 draft(s)"]
+    assert all(row["ms"] > 0 for row in rows)
+
+
+def test_random_config_refuses_an_assistant(tmp_path):
+    import bench_round_cost
+
+    with pytest.raises(SystemExit):
+        bench_round_cost.main(["--random-config", str(tmp_path / "config.json"), "--assistant", "smollm2-135m"])
