@@ -36,10 +36,13 @@ Prices: the adaptive schedule times each compiled loop on its first call (jaxspe
 costs: a verify block of each width, a draft, a drafting round's fixed work. The "prices" lines print them in plain
 decoding steps (a round of width 1), as the schedule uses them: on an accelerator a block of a few tokens should
 cost about one step, where on a CPU a block of two costs about 1.4. A loop whose prices were stored by an earlier run
-is not timed again, and its line says so. The header names how the loops' run-time branches run and which verify
-widths they compile: run the script again with `JAXSPEC_BRANCHES=lax` to time XLA conditionals against the default
-in-place loops (jaxspec/inplace.py), or with `JAXSPEC_VERIFY_WIDTHS=ends` to compile blocks of 1 and K + 1 only
-(jaxspec/schedule.py, `verify_widths`).
+is not timed again, and its line says so.
+
+Loop settings: the header names how the loops' run-time branches run (`JAXSPEC_BRANCHES`: jaxspec/inplace.py) and
+which verify widths they compile (`JAXSPEC_VERIFY_WIDTHS`: jaxspec/schedule.py, `verify_widths`), both chosen on a
+CPU. `--compare-settings` runs the whole check once per setting in SETTINGS (the defaults, XLA conditionals, blocks
+of 1 and K + 1 only, both), each in its own process, and prints each strategy's tok/s and speedup side by side: the
+A/B an accelerator needs before either default changes there (docs/design.md, 'On a GPU').
 
 Identity: every pass of every strategy is compared, row by row and token for token, with the untimed pass of plain
 greedy decoding of the same batch (plain decoding's own passes too: a run-to-run difference is a failure as well).
@@ -69,6 +72,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -653,6 +657,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "plain decoding too")
     parser.add_argument("--bandwidth-mb", type=int, default=None,
                         help="matrix size of the bandwidth measurement (default: 2048 on accelerators, 256 on CPU)")
+    parser.add_argument("--compare-settings", action="store_true",
+                        help="run the check once per loop setting an accelerator may want (SETTINGS: run-time "
+                             "branches, verify widths), each in its own process, and print their figures side by side")
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
     try:
@@ -669,8 +676,58 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+# The loop settings a device may want other than a CPU's (docs/design.md, 'On a GPU'), as environment variables read
+# when jaxspec is imported: `--compare-settings` runs the whole check once under each.
+SETTINGS = (("default", {}), ("lax branches", {"JAXSPEC_BRANCHES": "lax"}),
+            ("widths 1, K+1", {"JAXSPEC_VERIFY_WIDTHS": "ends"}),
+            ("both", {"JAXSPEC_BRANCHES": "lax", "JAXSPEC_VERIFY_WIDTHS": "ends"}))
+
+
+def table_cells(stdout: str) -> dict[tuple[str, str, str], dict[str, str]]:
+    """The rows of a check's printed table, by (model, strategy, batch)."""
+    rows = {}
+    for line in stdout.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == len(COLUMNS) and cells[0] != COLUMNS[0]:
+            row = dict(zip(COLUMNS, cells))
+            rows[row["model"], row["strategy"], row["batch"]] = row
+    return rows
+
+
+def settings_table(runs: dict[str, dict[tuple[str, str, str], dict[str, str]]]) -> str:
+    """One line per (model, strategy, batch) that any run measured: tok/s and speedup over plain decoding under each
+    setting; `≠` marks a run whose tokens differed from plain greedy decoding's."""
+    keys = list(dict.fromkeys(key for rows in runs.values() for key in rows))
+    lines = ["| model | strategy | batch | " + " | ".join(runs) + " |", "|---|---|---:|" + "---:|" * len(runs)]
+    for key in keys:
+        cells = []
+        for rows in runs.values():
+            row = rows.get(key)
+            differs = row is not None and row["identical"] != "True"
+            cells.append("-" if row is None else f"{row['tok/s']} ({row['speedup']}){' ≠' if differs else ''}")
+        lines.append(f"| {' | '.join(key)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compare_settings(argv: list[str]) -> int:
+    """This check once per entry of SETTINGS, each in its own process with the same arguments (their progress goes
+    to stderr as it happens), then one table of tok/s and speedup under each; the worst exit status."""
+    runs, status = {}, 0
+    for name, environment in SETTINGS:
+        log(f"== {name}: {' '.join(f'{k}={v}' for k, v in environment.items()) or 'no variable set'}")
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env=os.environ | environment,
+                              stdout=subprocess.PIPE, text=True, check=False)
+        runs[name] = table_cells(done.stdout)
+        status = max(status, done.returncode)
+    print("# jaxspec device check: loop settings side by side (tok/s, speedup over plain decoding of the same run)\n")
+    print(settings_table(runs))
+    return status
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.compare_settings:
+        return compare_settings([a for a in (sys.argv[1:] if argv is None else argv) if a != "--compare-settings"])
     import jax
 
     import jaxspec

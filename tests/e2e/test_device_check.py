@@ -124,6 +124,44 @@ def test_prices_line_reads_what_the_first_call_timed(device_check):
     assert "none timed in this run" in device_check.prices_line("m", 8, "dflash", after, after)
 
 
+def test_settings_side_by_side_from_each_run_s_table(device_check):
+    """--compare-settings reads each run's printed table back and lays the runs side by side, marking a run whose
+    tokens differed from plain greedy decoding's."""
+    def run_output(lookup_tok_s: str, identical: str) -> str:
+        return "\n".join(["# jaxspec device check", "| " + " | ".join(COLUMNS) + " |", "|---|---|",
+                          "| m | greedy | plain decoding | 1 | 100.0 | 1.00x | 2.0 | - | 1.00 | True |",
+                          f"| m | prompt_lookup | K=10 | 1 | {lookup_tok_s} | 1.50x | 5.0 | 0.5 | 2.00 | {identical} |",
+                          "roofline m batch 1: ..."])
+
+    runs = {"default": device_check.table_cells(run_output("150.0", "True")),
+            "lax branches": device_check.table_cells(run_output("160.0", "False")), "both": {}}
+    assert set(runs["default"]) == {("m", "greedy", "1"), ("m", "prompt_lookup", "1")}
+    assert device_check.settings_table(runs).splitlines() == [
+        "| model | strategy | batch | default | lax branches | both |", "|---|---|---:|---:|---:|---:|",
+        "| m | greedy | 1 | 100.0 (1.00x) | 100.0 (1.00x) | - |",
+        "| m | prompt_lookup | 1 | 150.0 (1.50x) | 160.0 (1.50x) ≠ | - |"]
+
+
+@pytest.mark.slow
+def test_compare_settings_runs_the_check_under_each_setting(tmp_path):
+    """The tiny check under each of SETTINGS, each process with its variables: one line per strategy with a figure
+    from every setting, all identical to plain greedy decoding."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("JAXSPEC_MIN_BUFFER", "JAXSPEC_PREFILL_CHUNK")}
+    env |= {"JAX_PLATFORMS": "cpu", "JAXSPEC_STEP_COSTS": "default", "JAXSPEC_COMPILATION_CACHE": "off",
+            "JAXSPEC_CACHE": str(tmp_path), "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    command = [sys.executable, SCRIPT, "--tiny", "--max-new-tokens", "8", "--repeats", "1", "--batch-sizes", "1",
+               "--strategies", "prompt_lookup", "--bandwidth-mb", "16", "--compare-settings"]
+    done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    assert "| model | strategy | batch | default | lax branches | widths 1, K+1 | both |" in lines
+    (lookup,) = [line for line in lines if line.startswith("| tiny-llama | prompt_lookup | 1 |")]
+    assert lookup.count("x)") == 4 and "≠" not in lookup and " - " not in lookup  # every setting ran, identically
+    for name in ("JAXSPEC_BRANCHES=lax", "JAXSPEC_VERIFY_WIDTHS=ends"):
+        assert name in done.stderr
+
+
 def test_nominal_bandwidth_by_device_kind(device_check):
     assert device_check.nominal_bandwidth("NVIDIA H200") == pytest.approx(4.8e12)
     assert device_check.nominal_bandwidth("TPU v5 lite") == pytest.approx(0.82e12)
