@@ -39,6 +39,7 @@ import numpy as np
 
 from . import inplace
 from .loading import Model
+from .prompts import choice_setting
 from .schedule import Prices, Schedule
 from .tree import TreeShape
 
@@ -54,10 +55,7 @@ MAX_COST_BATCH = 64  # larger batches are priced with costs measured at this man
 
 def mode() -> str:
     """`JAXSPEC_STEP_COSTS`, checked: a misspelt value is an error, not a silent fallback."""
-    value = os.environ.get("JAXSPEC_STEP_COSTS", "measure").strip().lower() or "measure"
-    if value not in MODES:
-        raise ValueError(f"JAXSPEC_STEP_COSTS={value!r} is not one of {', '.join(MODES)}.")
-    return value
+    return choice_setting("JAXSPEC_STEP_COSTS", MODES)
 
 
 def measurable(*models: Model) -> bool:

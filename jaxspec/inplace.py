@@ -20,25 +20,17 @@ a GPU').
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from .prompts import choice_setting
+
 Branch = Callable[[Any], tuple[Any, Any]]
 
 MODES = ("inplace", "lax")
-
-
-def _mode_from_environment() -> str:
-    value = os.environ.get("JAXSPEC_BRANCHES", "inplace").strip().lower() or "inplace"
-    if value not in MODES:
-        raise ValueError(f"JAXSPEC_BRANCHES={value!r} is not one of {', '.join(MODES)}.")
-    return value
-
-
-MODE = _mode_from_environment()  # how run-time branches run in the loops this process compiles
+MODE = choice_setting("JAXSPEC_BRANCHES", MODES)  # how run-time branches run in the loops this process compiles
 
 
 def switch(index: jax.Array, branches: Sequence[Branch], state: Any) -> tuple[Any, Any]:

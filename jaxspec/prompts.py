@@ -112,6 +112,15 @@ def power_of_two_setting(name: str, default: int) -> int:
     return int(value)
 
 
+def choice_setting(name: str, choices: tuple[str, ...]) -> str:
+    """The environment variable `name`, one of `choices` (case-insensitive), or the first of them when it is unset;
+    any other value is an error that names the variable and the choices, not a silent fallback."""
+    value = os.environ.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}.")
+    return value
+
+
 def min_buffer() -> int:
     """The smallest token buffer / cache length: MIN_BUFFER, or $JAXSPEC_MIN_BUFFER. A larger floor lets calls
     of different short lengths share one executable; a smaller one saves memory and time when a call is short and

@@ -8,12 +8,13 @@ measures those prices on the decoding machine. See docs/design.md, 'The adaptive
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .prompts import choice_setting
 
 if TYPE_CHECKING:
     from .strategies.base import RoundResult
@@ -46,16 +47,7 @@ class DraftLength:
 
 
 WIDTH_RULES = ("powers", "ends")
-
-
-def _width_rule_from_environment() -> str:
-    value = os.environ.get("JAXSPEC_VERIFY_WIDTHS", "powers").strip().lower() or "powers"
-    if value not in WIDTH_RULES:
-        raise ValueError(f"JAXSPEC_VERIFY_WIDTHS={value!r} is not one of {', '.join(WIDTH_RULES)}.")
-    return value
-
-
-WIDTH_RULE = _width_rule_from_environment()  # read once: the widths are part of every compiled loop's key
+WIDTH_RULE = choice_setting("JAXSPEC_VERIFY_WIDTHS", WIDTH_RULES)  # read once: widths are in every loop's compile key
 
 
 def verify_widths(max_draft: int) -> tuple[int, ...]:

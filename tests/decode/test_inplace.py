@@ -135,3 +135,17 @@ def test_lax_branches_decode_the_same_tokens_with_conditionals_in_the_loop(tiny_
     loop._compiled.clear()
     assert outputs["lax"] == outputs["inplace"]
     assert conditionals["lax"] > conditionals["inplace"] and loops["lax"] < loops["inplace"], (conditionals, loops)
+
+
+def test_the_branch_setting_is_read_and_checked(monkeypatch):
+    """JAXSPEC_BRANCHES as jaxspec.inplace reads it at import: case and spaces do not matter, unset is the default,
+    and a misspelt value is an error naming the variable and the choices."""
+    from jaxspec.prompts import choice_setting
+
+    monkeypatch.setenv("JAXSPEC_BRANCHES", " LAX ")
+    assert choice_setting("JAXSPEC_BRANCHES", inplace.MODES) == "lax"
+    monkeypatch.delenv("JAXSPEC_BRANCHES")
+    assert choice_setting("JAXSPEC_BRANCHES", inplace.MODES) == "inplace"
+    monkeypatch.setenv("JAXSPEC_BRANCHES", "while")
+    with pytest.raises(ValueError, match="JAXSPEC_BRANCHES='while' is not one of inplace, lax"):
+        choice_setting("JAXSPEC_BRANCHES", inplace.MODES)
