@@ -34,7 +34,8 @@ MODE = choice_setting("JAXSPEC_BRANCHES", MODES)  # how run-time branches run in
 
 
 def switch(index: jax.Array, branches: Sequence[Branch], state: Any) -> tuple[Any, Any]:
-    """`lax.switch(index, branches, state)` with `state` updated in place; an index out of range runs none.
+    """`lax.switch(index, branches, state)` with `state` updated in place (with `JAXSPEC_BRANCHES=lax`, lax.switch
+    itself); an index out of range runs none.
 
     index: [] int. -> (state, out) of the branch it selects.
     """
@@ -56,7 +57,8 @@ def switch(index: jax.Array, branches: Sequence[Branch], state: Any) -> tuple[An
 
 
 def cond(pred: jax.Array, true_branch: Branch, false_branch: Branch, state: Any) -> tuple[Any, Any]:
-    """`lax.cond(pred, true_branch, false_branch, state)` with `state` updated in place. pred: [] bool."""
+    """`lax.cond(pred, true_branch, false_branch, state)` with `state` updated in place (with `JAXSPEC_BRANCHES=lax`,
+    lax.cond itself). pred: [] bool."""
     if MODE == "lax":
         return jax.lax.cond(pred, true_branch, false_branch, state)
     return switch(pred.astype(jnp.int32), (false_branch, true_branch), state)
