@@ -4,8 +4,9 @@ branch; `lax`, one XLA conditional).
 
     python benchmarks/count_branches.py [--model smollm2-135m] [--strategies greedy,prompt_lookup,mtp]
 
-On a GPU every while loop and conditional reads its predicate back to the host before the kernels after it launch,
-so these are the waits a round can hold (docs/design.md, 'On a GPU'); on a CPU they cost little. The counts are
+On a GPU, XLA records conditionals into CUDA graphs that branch on the device, while a data-dependent while loop it
+cannot record reads its predicate back to the host on every trip (docs/design.md, 'On a GPU'); on a CPU both cost
+little. The counts are
 static: a round runs the loops and conditionals of the branches it takes, not all of them. Fusions are XLA's
 kernels, counted the same way. Each loop is compiled once per mode here (on whatever backend jax has), with the
 schedule's prices left unmeasured (JAXSPEC_STEP_COSTS=default), so the counts need no timing.
@@ -17,7 +18,7 @@ import argparse
 import os
 import re
 
-CASES = {"greedy": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10}, "early_exit": {"assistant_early_exit": 15},
+CASES = {"greedy": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10}, "early_exit": {"assistant_early_exit": None},
          "mtp": {"use_mtp": True}, "dflash": {"assistant_model": "smollm2-135m-dflash"},
          "eagle3": {"assistant_model": "smollm2-135m-eagle3"}}
 
@@ -46,6 +47,8 @@ def main(argv=None) -> None:
     for strategy in strategies:
         kwargs = {key: jaxspec.load(value) if key == "assistant_model" else value
                   for key, value in CASES[strategy].items()}
+        if "assistant_early_exit" in kwargs:  # the first half of the layers drafts, as device_check's case does
+            kwargs["assistant_early_exit"] = max(1, target.config.num_layers // 2)
         for mode in inplace.MODES:
             inplace.MODE = mode  # read when a loop is traced; the loops of the other mode are dropped first
             loop._compiled.clear()
