@@ -1,12 +1,14 @@
 """What a decoding round costs inside the compiled loop, by the number of drafts it verifies, against a plain step.
 
     python benchmarks/bench_round_cost.py [--model smollm2-135m] [--drafts 0,1,3,7] [--max-draft 10] [--repeats 4]
-        [--assistant smollm2-135m --assistant-drafts 1,2] [--random-config CONFIG.json] [--results benchmarks/results]
+        [--assistant smollm2-135m --assistant-drafts 1,2] [--random-config CONFIG.json [--prompt-tokens N]] [--batch B]
+        [--results benchmarks/results]
 
 A drafter that proposes d fixed tokens every round (all of them rejected, so every round commits one token) runs
 through `jaxspec.generate`'s loop with K = `--max-draft`, next to plain decoding, on the story prompt of
-benchmarks/_bench_prompts.py; 96 new tokens, batch 1. Printed: milliseconds per round (decode time without the prefill,
-median of `--repeats` calls, interleaved) and the ratio to plain decoding, side by side in one run.
+benchmarks/_bench_prompts.py; 96 new tokens, `--batch` rows of that prompt (default 1). Printed: milliseconds per round
+(decode time without the prefill, median of `--repeats` calls, interleaved) and the ratio to plain decoding, side by
+side in one run.
 
 - d = 0 is a round of a drafter that drafts nothing: what the loop's structure (the draft buffer, the run-time choice
   of a verify width) costs over plain decoding, the floor of any strategy's overhead where it cannot help.
@@ -24,7 +26,8 @@ median of `--repeats` calls, interleaved) and the ratio to plain decoding, side 
 (in jaxspec's default dtype: bfloat16 on accelerators) and a prompt of random token ids as long as the story's. A
 round's cost needs no trained weights, since the fixed drafts are timed whatever is accepted, so this times the rounds
 of a model too large to bring to the machine (an 8B Llama's config.json is 1 kB; its weights 16 GB). `--assistant`
-needs a real target.
+needs a real target. `--prompt-tokens` sets the random prompt's length: with `--batch`, how large a KV cache the rounds
+carry, which is what a run-time branch that copies the cache would pay for (`JAXSPEC_BRANCHES`, jaxspec/inplace.py).
 
 The table also goes to a JSON record in `--results` (benchmarks/_record.py). Run it as a script, as above: its
 siblings in benchmarks/ (the prompt set, the record) import because Python puts the script's folder on sys.path.
@@ -55,10 +58,17 @@ def main(argv=None) -> None:
     p.add_argument("--assistant-drafts", default="1,2")
     p.add_argument("--random-config", default=None,
                    help="an HF config.json: time a target of its shape with random weights instead of --model")
+    p.add_argument("--batch", type=int, default=1, help="rows, each the same prompt")
+    p.add_argument("--prompt-tokens", type=int, default=STORY_TOKENS,
+                   help=f"the random prompt's length (default {STORY_TOKENS}, the story's); only with --random-config")
     add_results_argument(p)
     args = p.parse_args(argv)
     if args.random_config and args.assistant:
         p.error("--assistant drafts for a trained target: it cannot be combined with --random-config")
+    if args.prompt_tokens != STORY_TOKENS and not args.random_config:
+        p.error("--prompt-tokens sets the random prompt of --random-config; --model runs the story prompt")
+    if args.batch < 1 or args.prompt_tokens < 1:
+        p.error("--batch and --prompt-tokens must be at least 1")
     record = Record("bench_round_cost", __file__, argv, args.results)
 
     import jax.numpy as jnp
@@ -85,13 +95,14 @@ def main(argv=None) -> None:
         c = model.hf_config
         args.model = (f"random {c.get('model_type')} ({c.get('num_hidden_layers')} layers of "
                       f"{c.get('hidden_size')}, {os.path.basename(args.random_config)})")
-        ids = [np.random.default_rng(0).integers(0, model.config.vocab_size, STORY_TOKENS).tolist()]
+        ids = [np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt_tokens).tolist()]
     else:
         model = jaxspec.load(args.model)
         tokenizer = model.tokenizer
         text = tokenizer.apply_chat_template([{"role": "user", "content": STORY}], tokenize=False,
                                              add_generation_prompt=True)
         ids = [tokenizer(text, add_special_tokens=False)["input_ids"]]
+    ids = ids * args.batch  # [batch][prompt]
     settings = settings_lib.resolve(model, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=[])
     drafters = {"plain decoding": Drafter(0)}
     for d in (int(x) for x in args.drafts.split(",")):
@@ -125,7 +136,8 @@ def main(argv=None) -> None:
             seconds, _ = per_round(drafter)
             times[name].append(seconds)
     plain = statistics.median(times["plain decoding"])
-    title = f"round cost in the loop: {args.model}, {args.max_new_tokens} new tokens, batch 1, median of {args.repeats}"
+    title = (f"round cost in the loop: {args.model}, {len(ids[0])}-token prompt, {args.max_new_tokens} new tokens, "
+             f"batch {args.batch}, median of {args.repeats}")
     print(f"# {title}\n")
     print("| round | ms | vs a plain step |")
     print("|---|---:|---:|")

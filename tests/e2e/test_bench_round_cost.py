@@ -39,3 +39,22 @@ def test_random_config_refuses_an_assistant(tmp_path):
 
     with pytest.raises(SystemExit):
         bench_round_cost.main(["--random-config", str(tmp_path / "config.json"), "--assistant", "smollm2-135m"])
+
+
+def test_random_config_batch_and_prompt_length(tmp_path, capsys):
+    """--batch rows of a --prompt-tokens prompt: the cache size at which a branch that copies it would show."""
+    import bench_round_cost
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    bench_round_cost.main(["--random-config", str(config), "--drafts", "0", "--max-draft", "1", "--batch", "3",
+                           "--prompt-tokens", "40", "--max-new-tokens", "3", "--repeats", "1",
+                           "--results", str(tmp_path / "results")])
+    assert "40-token prompt, 3 new tokens, batch 3, median of 1" in capsys.readouterr().out
+
+
+def test_prompt_tokens_needs_a_random_config():
+    import bench_round_cost
+
+    with pytest.raises(SystemExit):
+        bench_round_cost.main(["--prompt-tokens", "40"])
