@@ -48,7 +48,8 @@ CACHE_FILE = "step_costs.json"
 CACHE_SIZE = 512  # positions of the cache the timed forwards write (decoding sizes its cache to the call)
 START_POSITION = 200  # where the timed forwards start: attention reads a realistic prefix
 STEPS = 4  # forwards per timed loop (time_forwards)
-ROUNDS = 8  # rounds per timed run of the decoding loop (time_loop)
+ROUNDS = 8  # rounds per timed run of the decoding loop (time_loop), beyond its LEAD_ROUNDS
+LEAD_ROUNDS = 2  # rounds of the short call a timed run subtracts: what a call costs besides its rounds (time_loop)
 RUNS = 3  # timed runs per loop; the fastest counts (the others met a busier machine, or warmed it)
 MAX_COST_BATCH = 64  # larger batches are priced with costs measured at this many rows
 
@@ -153,38 +154,53 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
       draft, and `{prefix}|round`, a drafting round's fixed work beyond its block and its drafts.
 
     Every run reuses the executables: the prices, the verify floor, the forced length, the EOS tokens (none, so rows
-    run their rounds) and the confidence threshold (0, so every forced draft is proposed) are run-time inputs. The
-    fastest of `runs` runs of `rounds_per_run` rounds counts (the first also warms the executable); the
-    configurations take turns."""
+    run their rounds) and the confidence threshold (0, so every forced draft is proposed) are run-time inputs. A run
+    calls the loop twice from the same prefill, for LEAD_ROUNDS rounds and for `rounds_per_run` more: a round costs
+    the difference over the rounds between them, so that what a call costs besides its rounds (dispatching its
+    arguments, reading the counters back) is not charged to them. On a GPU that was several milliseconds a call,
+    which made SmolLM2's rounds of 1.7 ms look like 2.1-2.8 ms and every verify width look nearly free beside them.
+    Of `runs` runs the fastest of each length counts (the first also warms the executable); the configurations take
+    turns."""
     tokens, prompt_lengths = call.prefill_args[2], call.prefill_args[3]
     room = int(tokens.shape[1]) - int(np.max(np.asarray(prompt_lengths))) - call.spec.drafter.draft_slots - 2
     budget = jnp.full_like(call.prefill_args[4], max(room, 2))
+    lengths = (LEAD_ROUNDS, LEAD_ROUNDS + rounds_per_run)
 
-    def one_run(forced: int, floor: int) -> tuple[float, float]:
-        """(milliseconds a round, drafts a round of the longest row) of one run with `forced` drafts, verified at
-        `floor` or wider."""
-        timed = timing_inputs(call.inputs, forced, floor)
-        args = call.prefill_args[:4] + (budget,) + call.prefill_args[5:6] + (timed,) + call.prefill_args[7:]
-        state = jax.block_until_ready(prefill(*args))
+    def one_call(state, timed, max_rounds: int) -> tuple[float, int, float]:
+        """(seconds, rounds run, drafts proposed by the longest row) of one call of the loop from `state`."""
         start = time.perf_counter()
-        state = rounds(call.target_state, call.assistant_state, state, timed, jnp.asarray(rounds_per_run, jnp.int32))
+        state = rounds(call.target_state, call.assistant_state, state, timed, jnp.asarray(max_rounds, jnp.int32))
         ran = int(state.counters.rounds)  # waits for the rounds
-        elapsed = time.perf_counter() - start
-        if not ran:
-            return float("inf"), 0.0
-        return elapsed / ran * 1e3, float(np.max(np.asarray(state.counters.drafted))) / ran
+        return time.perf_counter() - start, ran, float(np.max(np.asarray(state.counters.drafted)))
+
+    def prefilled(timed):
+        """The state after the prompts' prefill, and a copy of it (the loop takes over the buffers it is given)."""
+        args = call.prefill_args[:4] + (budget,) + call.prefill_args[5:6] + (timed,) + call.prefill_args[7:]
+        state = prefill(*args)
+        return jax.block_until_ready((state, jax.tree.map(jnp.copy, state)))
 
     # The configurations take turns, run after run, so that a machine that slows down or speeds up while they are
     # timed moves all of them alike: timed one after the other, a drift became a false ratio between widths.
     configs = [(0, w) for w in widths] + [(d, 1) for d in drafts]
-    best = {config: (float("inf"), 0.0) for config in configs}
+    best = {(config, n): (float("inf"), 0, 0.0) for config in configs for n in lengths}
     for _ in range(runs):
         for config in configs:
-            best[config] = min(best[config], one_run(*config))
-    measured = {f"{prefix}|verify|{w}": best[0, w][0] for w in widths}
+            timed = timing_inputs(call.inputs, *config)
+            for state, n in zip(prefilled(timed), lengths):
+                best[config, n] = min(best[config, n], one_call(state, timed, n))
+
+    def per_round(config) -> tuple[float, float]:
+        """(milliseconds a round, drafts a round of the longest row) between the short call and the long one."""
+        (lead_s, lead_ran, lead_drafted), (s, ran, drafted) = (best[config, n] for n in lengths)
+        if ran <= lead_ran:  # the rows ran out of room within the short call: no rounds between them
+            return (s / ran * 1e3, drafted / ran) if ran else (float("inf"), 0.0)
+        rounds_between = ran - lead_ran
+        return max(s - lead_s, 0.0) / rounds_between * 1e3, (drafted - lead_drafted) / rounds_between
+
+    measured = {f"{prefix}|verify|{w}": per_round((0, w))[0] for w in widths}
     if drafts:
         verify = {w: measured[f"{prefix}|verify|{w}"] for w in widths}
-        draft_ms, round_ms = fit_drafting(verify, [best[d, 1][::-1] for d in drafts])
+        draft_ms, round_ms = fit_drafting(verify, [per_round((d, 1))[::-1] for d in drafts])
         measured[f"{prefix}|draft"], measured[f"{prefix}|round"] = draft_ms, round_ms
     return measured
 

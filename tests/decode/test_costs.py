@@ -55,6 +55,31 @@ def _stored_parts(folder) -> dict[str, float]:
     return {key.split("|loop|")[1].split("|", 1)[1]: ms for key, ms in stored.items()}
 
 
+def test_a_round_is_timed_without_what_a_call_costs_besides_its_rounds(monkeypatch):
+    """time_loop prices a round by the difference between a short call of the loop and a long one: a fixed cost per
+    call (dispatch, reading the counters back; several ms on a GPU) is not spread over the rounds. A fake loop whose
+    call costs 40 ms plus 5 ms a round (10 ms at width 2) is priced at 5 and 10 ms, not 10 and 15."""
+    import time
+    import types
+
+    per_call_s, per_round_s = 0.040, {1: 0.005, 2: 0.010}
+
+    def rounds(target_state, assistant_state, state, timed, max_rounds):
+        ran = int(max_rounds)
+        time.sleep(per_call_s + per_round_s[timed] * ran)
+        return types.SimpleNamespace(counters=types.SimpleNamespace(rounds=jnp.asarray(ran),
+                                                                    drafted=jnp.zeros((1,), jnp.int32)))
+
+    monkeypatch.setattr(costs, "timing_inputs", lambda inputs, drafts, floor: floor)
+    tokens, prompt_lengths, budget = jnp.zeros((1, 64), jnp.int32), jnp.asarray([8]), jnp.asarray([4])
+    call = types.SimpleNamespace(prefill_args=(None, None, tokens, prompt_lengths, budget, None, None, None),
+                                 spec=types.SimpleNamespace(drafter=types.SimpleNamespace(draft_slots=4)),
+                                 inputs=None, target_state=None, assistant_state=None)
+    measured = costs.time_loop(call, lambda *args: {"cache": jnp.zeros(3)}, rounds, (1, 2), (), prefix="p", runs=2)
+    assert measured["p|verify|1"] == pytest.approx(5.0, rel=0.2), measured
+    assert measured["p|verify|2"] == pytest.approx(10.0, rel=0.2), measured
+
+
 def test_prices_are_timed_in_the_compiled_loop_once_per_machine(measuring, pair, monkeypatch):
     """The first measuring call times rounds of its own executables (compiling nothing more), stores milliseconds per
     round, and decodes with the prices they give; a later call reads the file; the output equals plain greedy."""
