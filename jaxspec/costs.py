@@ -48,8 +48,7 @@ CACHE_FILE = "step_costs.json"
 CACHE_SIZE = 512  # positions of the cache the timed forwards write (decoding sizes its cache to the call)
 START_POSITION = 200  # where the timed forwards start: attention reads a realistic prefix
 STEPS = 4  # forwards per timed loop (time_forwards)
-ROUNDS = 8  # rounds per timed run of the decoding loop (time_loop), beyond its LEAD_ROUNDS
-LEAD_ROUNDS = 2  # rounds of the short call a timed run subtracts: what a call costs besides its rounds (time_loop)
+ROUNDS = 8  # rounds per timed run of the decoding loop (time_loop)
 RUNS = 3  # timed runs per loop; the fastest counts (the others met a busier machine, or warmed it)
 MAX_COST_BATCH = 64  # larger batches are priced with costs measured at this many rows
 
@@ -155,16 +154,14 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
 
     Every run reuses the executables: the prices, the verify floor, the forced length, the EOS tokens (none, so rows
     run their rounds) and the confidence threshold (0, so every forced draft is proposed) are run-time inputs. A run
-    calls the loop twice from the same prefill, for LEAD_ROUNDS rounds and for `rounds_per_run` more: a round costs
-    the difference over the rounds between them, so that what a call costs besides its rounds (dispatching its
-    arguments, reading the counters back) is not charged to them. On a GPU that was several milliseconds a call,
-    which made SmolLM2's rounds of 1.7 ms look like 2.1-2.8 ms and every verify width look nearly free beside them.
-    Of `runs` runs the fastest of each length counts (the first also warms the executable); the configurations take
-    turns."""
+    calls the loop for `rounds_per_run` rounds, and for none from a copy of the same prefill: what a call costs
+    besides its rounds (dispatching its arguments, reading its counters back) is the second call's time, and is not
+    charged to the rounds. On a GPU that was several milliseconds a call, which made SmolLM2's rounds of 1.7 ms look
+    like 2.1-2.8 ms and every verify width nearly free beside them. Of `runs` runs the fastest of each call counts
+    (the first also warms the executable); the configurations take turns."""
     tokens, prompt_lengths = call.prefill_args[2], call.prefill_args[3]
     room = int(tokens.shape[1]) - int(np.max(np.asarray(prompt_lengths))) - call.spec.drafter.draft_slots - 2
     budget = jnp.full_like(call.prefill_args[4], max(room, 2))
-    lengths = (LEAD_ROUNDS, LEAD_ROUNDS + rounds_per_run)
 
     def one_call(state, timed, max_rounds: int) -> tuple[float, int, float]:
         """(seconds, rounds run, drafts proposed by the longest row) of one call of the loop from `state`."""
@@ -182,20 +179,21 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
     # The configurations take turns, run after run, so that a machine that slows down or speeds up while they are
     # timed moves all of them alike: timed one after the other, a drift became a false ratio between widths.
     configs = [(0, w) for w in widths] + [(d, 1) for d in drafts]
-    best = {(config, n): (float("inf"), 0, 0.0) for config in configs for n in lengths}
+    timed_runs = {config: (float("inf"), 0, 0.0) for config in configs}
+    call_seconds = float("inf")  # a call that runs no round
     for _ in range(runs):
         for config in configs:
             timed = timing_inputs(call.inputs, *config)
-            for state, n in zip(prefilled(timed), lengths):
-                best[config, n] = min(best[config, n], one_call(state, timed, n))
+            state, copy = prefilled(timed)
+            timed_runs[config] = min(timed_runs[config], one_call(state, timed, rounds_per_run))
+            call_seconds = min(call_seconds, one_call(copy, timed, 0)[0])
 
     def per_round(config) -> tuple[float, float]:
-        """(milliseconds a round, drafts a round of the longest row) between the short call and the long one."""
-        (lead_s, lead_ran, lead_drafted), (s, ran, drafted) = (best[config, n] for n in lengths)
-        if ran <= lead_ran:  # the rows ran out of room within the short call: no rounds between them
-            return (s / ran * 1e3, drafted / ran) if ran else (float("inf"), 0.0)
-        rounds_between = ran - lead_ran
-        return max(s - lead_s, 0.0) / rounds_between * 1e3, (drafted - lead_drafted) / rounds_between
+        """(milliseconds a round, drafts a round of the longest row)."""
+        seconds, ran, drafted = timed_runs[config]
+        if not ran:
+            return float("inf"), 0.0
+        return max(seconds - call_seconds, 0.0) / ran * 1e3, drafted / ran
 
     measured = {f"{prefix}|verify|{w}": per_round((0, w))[0] for w in widths}
     if drafts:
