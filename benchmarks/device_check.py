@@ -30,7 +30,11 @@ the median of per-pass ratios over plain decoding of the same batch. Compiled lo
 compilation cache (`JAXSPEC_COMPILATION_CACHE=off` disables it), so a second run shows loading them instead.
 
 Counters (GenerateOutput's, over the calls of the first timed pass): acceptance is accepted / drafted tokens;
-tokens/round is what a row commits per verification round (1 for plain decoding).
+tokens/round is what a row commits per verification round (1 for plain decoding); modelled is the speedup the
+adaptive schedule's cost model expected for the rounds it ran (`GenerateOutput.modelled_speedup`). A measured speedup
+below the modelled one is a cost the model does not hold, and the "rounds" lines say where it is: each strategy's
+milliseconds a round (median over the timed passes, prefill excluded) in plain decoding steps, beside what the model
+priced those rounds at. Rounds dearer than priced: a cost inside the loop; rounds as priced: the rest of a call.
 
 Prices: the adaptive schedule times each compiled loop on its first call (jaxspec/costs.py) and stores what a round
 costs: a verify block of each width, a draft, a drafting round's fixed work. The "prices" lines print them in plain
@@ -335,6 +339,28 @@ class Run:
         return sum(int(out.accepted.sum()) for out in self.outputs) / drafted if drafted else math.nan
 
     @property
+    def round_milliseconds(self) -> float:
+        """Milliseconds a round of the calls' loops (plain decoding: a step), prefill excluded."""
+        rounds = sum(out.rounds for out in self.outputs)
+        seconds = sum(out.decode_seconds - out.prefill_seconds for out in self.outputs)
+        return seconds / rounds * 1e3 if rounds else math.nan
+
+    @property
+    def priced_steps_per_round(self) -> float:
+        """What the adaptive schedule's cost model says a round of these calls cost, in its unit (the loop's round
+        of width 1); nan where nothing priced the rounds."""
+        priced = sum(out.priced_steps for out in self.outputs)
+        return priced / sum(out.rounds for out in self.outputs) if priced > 0 else math.nan
+
+    @property
+    def modelled_speedup(self) -> float:
+        """The speedup the cost model expected for these rounds (`GenerateOutput.modelled_speedup`, over the calls):
+        where it is above the measured one, decoding pays a cost the model does not hold."""
+        priced = sum(out.priced_steps for out in self.outputs)
+        steps = sum(int(out.num_new_tokens.max()) - 1 for out in self.outputs)
+        return steps / priced if priced > 0 else math.nan
+
+    @property
     def tokens_per_round(self) -> float:
         """Tokens a row commits per verification round (the prefill commits each row's first token)."""
         row_rounds = sum(int(out.accepted_hist.sum()) for out in self.outputs)
@@ -546,7 +572,20 @@ def measure_batch(model: str, cases: list[Case], calls: list[tuple[str, ...]], r
         speedup = statistics.median(mine.tokens_per_second / base.tokens_per_second
                                     for mine, base in zip(passes[case.strategy], passes[cases[0].strategy]))
         rows.append(Row(model, case, batch, runs[0], runs[1:], speedup, mismatch))
+    plain_ms = statistics.median(run.round_milliseconds for run in passes[cases[0].strategy])
+    price_notes += [rounds_line(model, row, plain_ms) for row in rows[1:]]
     return rows, price_notes
+
+
+def rounds_line(model: str, row: Row, plain_ms: float) -> str:
+    """A strategy's rounds as measured (median over the timed passes) against what the cost model priced them at:
+    the figure that says which cost a speedup below the modelled one comes from, the rounds or the rest of a call
+    (prefill, dispatch)."""
+    ms = statistics.median(run.round_milliseconds for run in row.passes)
+    priced = row.passes[0].priced_steps_per_round
+    priced_text = "not priced" if math.isnan(priced) else f"{priced:.2f} priced (in the loop's rounds of width 1)"
+    return (f"rounds {model} batch {row.batch} {row.case.strategy}: {ms:.2f} ms a round, {ms / plain_ms:.2f} plain "
+            f"steps of {plain_ms:.2f} ms measured, {priced_text}; {row.passes[0].tokens_per_round:.2f} tokens a round")
 
 
 def prices_line(model: str, batch: int, strategy: str, before: dict[str, float], after: dict[str, float]) -> str:
@@ -596,20 +635,21 @@ def roofline_line(model: str, batch: int, step_bytes: StepBytes, passes: list[Ru
 # Report
 
 
-COLUMNS = ("model", "strategy", "settings", "batch", "tok/s", "speedup", "compile s", "acceptance", "tokens/round",
-           "identical")
-ALIGN = ("---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---")
+COLUMNS = ("model", "strategy", "settings", "batch", "tok/s", "speedup", "modelled", "compile s", "acceptance",
+           "tokens/round", "identical")
+ALIGN = ("---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---")
 
 
 def table(rows: list[Row]) -> str:
     """The markdown table: one line per (model, strategy, batch size)."""
-    def figure(value: float, spec: str) -> str:
-        return "-" if math.isnan(value) else format(value, spec)
+    def figure(value: float, spec: str, unit: str = "") -> str:
+        return "-" if math.isnan(value) else format(value, spec) + unit
 
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(ALIGN) + "|"]
     for r in rows:
         cells = (r.model, r.case.strategy, r.case.settings, str(r.batch), figure(r.tokens_per_second, ".1f"),
-                 f"{r.speedup:.2f}x", f"{r.warmup.compile_seconds:.1f}", figure(r.passes[0].acceptance, ".3f"),
+                 f"{r.speedup:.2f}x", figure(r.passes[0].modelled_speedup, ".2f", "x"),
+                 f"{r.warmup.compile_seconds:.1f}", figure(r.passes[0].acceptance, ".3f"),
                  figure(r.passes[0].tokens_per_round, ".2f"), str(r.mismatch is None))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -16,8 +16,8 @@ from tests.fixtures.paths import BENCHMARKS, REPO_ROOT
 SCRIPT = os.path.join(BENCHMARKS, "device_check.py")
 TINY_STRATEGIES = ("greedy", "prompt_lookup", "early_exit")
 BATCH_SIZES = ("1", "8")
-COLUMNS = ("model", "strategy", "settings", "batch", "tok/s", "speedup", "compile s", "acceptance", "tokens/round",
-           "identical")
+COLUMNS = ("model", "strategy", "settings", "batch", "tok/s", "speedup", "modelled", "compile s", "acceptance",
+           "tokens/round", "identical")
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +62,38 @@ def test_tiny_mode_runs_every_strategy_at_every_batch_size_identically(tiny_run)
         assert float(cells["tok/s"]) > 0 and cells["speedup"].endswith("x")
         if strategy != "greedy":  # drafts were proposed, so the comparison with plain decoding is not vacuous
             assert cells["acceptance"] != "-", (strategy, batch)
+            assert f"rounds tiny-llama batch {batch} {strategy}: " in tiny_run.stdout
+        else:
+            assert cells["modelled"] == "-"
+    assert rows["prompt_lookup", "1"]["modelled"].endswith("x")  # the adaptive schedule priced its rounds
     for batch in BATCH_SIZES:
         assert f"roofline tiny-llama batch {batch}: " in tiny_run.stdout
     assert "of measured" in tiny_run.stdout and "nominal n/a" in tiny_run.stdout  # a CPU is not in the table
     assert "skipped dflash (tiny-llama): tiny mode loads no drafter checkpoint" in tiny_run.stdout
     assert "every greedy output equals plain greedy decoding token for token" in tiny_run.stdout
+
+
+def test_rounds_are_set_beside_what_the_cost_model_priced(device_check):
+    """The figures that locate a speedup below the modelled one: a strategy's rounds in plain steps as measured
+    (prefill excluded), beside the model's price for them, and the modelled speedup over the calls."""
+    from types import SimpleNamespace
+
+    def out(rounds, decode, prefill, priced, new_tokens):
+        return SimpleNamespace(rounds=rounds, decode_seconds=decode, prefill_seconds=prefill, priced_steps=priced,
+                               num_new_tokens=np.array(new_tokens), accepted_hist=np.array([[0, rounds]]))
+
+    # Two calls: 40 rounds in 0.100 s and 20 in 0.050 s (2.5 ms a round), priced at 1.2 steps a round.
+    strategy = device_check.Run([("a",), ("b",)], [out(40, 0.110, 0.010, 48.0, [61]),
+                                                   out(20, 0.055, 0.005, 24.0, [31])], seconds=0.2)
+    assert strategy.round_milliseconds == pytest.approx(2.5)
+    assert strategy.priced_steps_per_round == pytest.approx(1.2)
+    assert strategy.modelled_speedup == pytest.approx((60 + 30) / 72.0)
+    case = device_check.Case("mtp", "3 layers", {})
+    row = device_check.Row("m", case, 1, strategy, [strategy], 0.8, None)
+    line = device_check.rounds_line("m", row, plain_ms=2.0)
+    assert line.startswith("rounds m batch 1 mtp: 2.50 ms a round, 1.25 plain steps of 2.00 ms measured, 1.20 priced")
+    unpriced = device_check.Run([("a",)], [out(40, 0.110, 0.010, 0.0, [61])], seconds=0.1)
+    assert np.isnan(unpriced.modelled_speedup) and np.isnan(unpriced.priced_steps_per_round)
 
 
 def test_first_mismatch_finds_the_first_differing_token(device_check):
@@ -129,8 +156,9 @@ def test_settings_side_by_side_from_each_run_s_table(device_check):
     tokens differed from plain greedy decoding's."""
     def run_output(lookup_tok_s: str, identical: str) -> str:
         return "\n".join(["# jaxspec device check", "| " + " | ".join(COLUMNS) + " |", "|---|---|",
-                          "| m | greedy | plain decoding | 1 | 100.0 | 1.00x | 2.0 | - | 1.00 | True |",
-                          f"| m | prompt_lookup | K=10 | 1 | {lookup_tok_s} | 1.50x | 5.0 | 0.5 | 2.00 | {identical} |",
+                          "| m | greedy | plain decoding | 1 | 100.0 | 1.00x | - | 2.0 | - | 1.00 | True |",
+                          f"| m | prompt_lookup | K=10 | 1 | {lookup_tok_s} | 1.50x | 1.60x | 5.0 | 0.5 | 2.00 | "
+                          f"{identical} |",
                           "roofline m batch 1: ..."])
 
     runs = {"default": device_check.table_cells(run_output("150.0", "True")),
