@@ -22,10 +22,12 @@ def test_random_config_times_rounds_of_that_shape(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_CONFIG))
     results = tmp_path / "results"
-    bench_round_cost.main(["--random-config", str(config), "--drafts", "0,1", "--max-draft", "1",
-                           "--max-new-tokens", "4", "--repeats", "1", "--results", str(results)])
+    # --batch rows of a --prompt-tokens prompt: the cache size at which a branch that copied it would show.
+    bench_round_cost.main(["--random-config", str(config), "--drafts", "0,1", "--max-draft", "1", "--batch", "3",
+                           "--prompt-tokens", "40", "--max-new-tokens", "4", "--repeats", "1", "--results", str(results)])
     printed = capsys.readouterr().out
-    assert "random llama (2 layers of 64, config.json)" in printed
+    title = "random llama (2 layers of 64, config.json), 40-token prompt, 4 new tokens, batch 3, median of 1"
+    assert title in printed
     for row in ("| plain decoding | ", "| K=1, 0 draft(s) | ", "| K=1, 1 draft(s) | "):
         assert row in printed, printed
     (record,) = results.iterdir()
@@ -39,18 +41,6 @@ def test_random_config_refuses_an_assistant(tmp_path):
 
     with pytest.raises(SystemExit):
         bench_round_cost.main(["--random-config", str(tmp_path / "config.json"), "--assistant", "smollm2-135m"])
-
-
-def test_random_config_batch_and_prompt_length(tmp_path, capsys):
-    """--batch rows of a --prompt-tokens prompt: the cache size at which a branch that copies it would show."""
-    import bench_round_cost
-
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(TINY_CONFIG))
-    bench_round_cost.main(["--random-config", str(config), "--drafts", "0", "--max-draft", "1", "--batch", "3",
-                           "--prompt-tokens", "40", "--max-new-tokens", "3", "--repeats", "1",
-                           "--results", str(tmp_path / "results")])
-    assert "40-token prompt, 3 new tokens, batch 3, median of 1" in capsys.readouterr().out
 
 
 def test_prompt_tokens_needs_a_random_config():
