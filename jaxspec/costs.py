@@ -157,8 +157,8 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
     calls the loop for `rounds_per_run` rounds, and for none from a copy of the same prefill: what a call costs
     besides its rounds (dispatching its arguments, reading its counters back) is the second call's time, and is not
     charged to the rounds: on a GPU it is milliseconds, enough to inflate a small model's rounds by a third and make
-    every verify width look nearly free beside them (docs/design.md, 'On a GPU'). Of `runs` runs the fastest of each call counts
-    (the first also warms the executable); the configurations take turns."""
+    every verify width look nearly free beside them (docs/design.md, 'On a GPU'). Of `runs` runs the fastest of
+    each call counts (the first also warms the executable); the configurations take turns."""
     tokens, prompt_lengths = call.prefill_args[2], call.prefill_args[3]
     room = int(tokens.shape[1]) - int(np.max(np.asarray(prompt_lengths))) - call.spec.drafter.draft_slots - 2
     budget = jnp.full_like(call.prefill_args[4], max(room, 2))
