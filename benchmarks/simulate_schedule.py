@@ -29,6 +29,11 @@ SCENARIOS = (
     ("batch 1 at 0.25", (0.25,), (1.0, 1.15, 1.25), 0.07),
     ("batch 1 at 0.36", (0.36,), (1.0, 1.15, 1.25), 0.07),
     ("batch 1 at 0.5", (0.5,), (1.0, 1.15, 1.25), 0.07),
+    # The shipped MTP layers' prices on the 2-core CPU, 2026-12-04 (benchmarks/results/
+    # device_check-cpu-batch1-mtp-eagle3-20261204T1425Z.txt): what exploring costs a drafter that cannot help.
+    ("CPU MTP prices, batch 1 at 0", (0.0,), (1.0, 1.50, 2.21), 0.10),
+    ("CPU MTP prices, batch 1 at 0.38", (0.38,), (1.0, 1.50, 2.21), 0.10),
+    ("CPU MTP prices, batch 1 at 0.5", (0.5,), (1.0, 1.50, 2.21), 0.10),
 )
 
 
