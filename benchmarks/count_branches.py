@@ -6,9 +6,10 @@ branch; `lax`, one XLA conditional).
 
 On a GPU, XLA records conditionals into CUDA graphs that branch on the device, while a data-dependent while loop it
 cannot record reads its predicate back to the host on every trip; an H200 nevertheless timed the two ways alike
-(docs/design.md, 'On a GPU'), and on a CPU both cost little. The counts are static: a round runs the loops and conditionals of the branches it takes, not all of them. Fusions are XLA's
-kernels, counted the same way. Each loop is compiled once per mode here (on whatever backend jax has), with the
-schedule's prices left unmeasured (JAXSPEC_STEP_COSTS=default), so the counts need no timing.
+(docs/design.md, 'On a GPU'), and on a CPU both cost little. The counts are static: a round runs the loops and
+conditionals of the branches it takes, not all of them. Fusions are XLA's kernels, counted the same way. Each loop
+is compiled once per mode here (on whatever backend jax has), with the schedule's prices left unmeasured
+(JAXSPEC_STEP_COSTS=default), so the counts need no timing.
 """
 
 from __future__ import annotations
