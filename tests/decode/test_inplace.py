@@ -118,6 +118,8 @@ def test_attention_copies_no_layer_cache(tmp_path, family):
         assert _layer_cache_copies(text, x.shape[1:]) == []  # ... and no layer of them is rearranged
 
 
+# Slow: a knob for accelerator A/Bs, not a default (an H200 timed it no faster: docs/design.md, 'On a GPU').
+@pytest.mark.slow
 def test_lax_branches_decode_the_same_tokens_with_conditionals_in_the_loop(tiny_llama_dir, monkeypatch):
     """JAXSPEC_BRANCHES=lax, the A/B for accelerators: the same greedy tokens as the in-place branches, from a
     rounds loop in which the in-place branches' while loops became XLA conditionals."""
