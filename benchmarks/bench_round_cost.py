@@ -113,7 +113,7 @@ def main(argv=None) -> None:
             out = jaxspec.generate(model, ids, max_new_tokens=args.max_new_tokens, eos_token_id=[], **drafter)
         else:
             out = generate_with_drafter(model, ids, None, drafter, settings)
-        return (out.decode_seconds - out.prefill_seconds) / out.rounds, out.accepted_hist.sum()
+        return out.seconds_per_round, out.accepted_hist.sum()
 
     if args.assistant:
         from jaxspec.strategies.dflash import is_block_drafter

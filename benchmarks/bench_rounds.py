@@ -72,7 +72,7 @@ def main(argv=None) -> None:
     for name in PROMPTS:
         passes = [calls(name) for _ in range(args.passes)]
         speedup = statistics.median(plain.decode_seconds / mine.decode_seconds for plain, mine in passes)
-        round_steps = statistics.median(_round_seconds(mine) / _round_seconds(plain) for plain, mine in passes)
+        round_steps = statistics.median(mine.seconds_per_round / plain.seconds_per_round for plain, mine in passes)
         plain, mine = passes[len(passes) // 2]
         priced = mine.priced_steps / mine.rounds if mine.priced_steps > 0 else float("nan")
         row = dict(table="rounds", prompt=name, speedup=speedup, modelled=mine.modelled_speedup,
@@ -85,11 +85,6 @@ def main(argv=None) -> None:
               f"{row['acceptance']:.2f} |", flush=True)
     record.write(rows, [args.model], title=title,
                  settings={k: v for k, v in vars(args).items() if k not in ("model", "results")})
-
-
-def _round_seconds(out) -> float:
-    """Seconds a round of the call's loop (plain decoding: a step), prefill excluded."""
-    return (out.decode_seconds - out.prefill_seconds) / out.rounds
 
 
 if __name__ == "__main__":

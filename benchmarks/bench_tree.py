@@ -152,7 +152,7 @@ def main(argv=None) -> None:
         for name, drafter in blocks.items():
             out = generate_with_drafter(model, story, None, drafter, settings)
             if repeat:
-                block_seconds[name].append((out.decode_seconds - out.prefill_seconds) / out.rounds)
+                block_seconds[name].append(out.seconds_per_round)
     step = statistics.median(block_seconds["plain step"])
     print("\n| round (story prompt) | ms | plain steps |")
     print("|---|---:|---:|")

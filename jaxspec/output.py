@@ -58,6 +58,12 @@ class GenerateOutput:
         return steps / self.priced_steps if self.priced_steps > 0 else float("nan")
 
     @property
+    def seconds_per_round(self) -> float:
+        """Wall seconds a verification round took (plain decoding: a step), the prefill excluded; nan without
+        rounds. Against plain decoding's, what a strategy's round costs in plain steps."""
+        return (self.decode_seconds - self.prefill_seconds) / self.rounds if self.rounds else float("nan")
+
+    @property
     def tokens_per_second(self) -> float:
         return float(self.num_new_tokens.sum()) / self.decode_seconds if self.decode_seconds else float("nan")
 

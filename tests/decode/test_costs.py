@@ -263,5 +263,8 @@ def test_generate_reports_the_speedup_its_cost_model_expected(pair):
     constant = jaxspec.generate(target, ids, max_new_tokens=16, prompt_lookup_num_tokens=4,
                                 num_assistant_tokens_schedule="constant")
     assert constant.priced_steps == 0 and np.isnan(constant.modelled_speedup)
+    # What a round took, the prefill excluded: what the benchmarks set beside a plain step.
+    assert out.seconds_per_round == pytest.approx((out.decode_seconds - out.prefill_seconds) / out.rounds)
+    assert 0 < out.seconds_per_round < out.decode_seconds
 
 
