@@ -7,9 +7,13 @@ import ctypes
 import gc
 import os
 
-# Eight CPU devices for the mesh tests. LLVM's optimisations off: the suite's models are tiny, so compiling is most
-# of its time and running the compiled code little (level 0 took a fifth off a compile-bound module's time).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+# Eight CPU devices for the mesh tests. The suite's models are tiny, so compiling is most of its time and running the
+# compiled code little: LLVM's optimisations off (level 0 took a fifth off a compile-bound module's time), and XLA's
+# older elemental emitters for fusions, which at level 0 compile faster than the fusion emitters (a tenth off
+# tests/strategies/test_lookup_early_exit.py with tests/decode/test_exactness.py, 133 -> 118 s back to back; at the
+# users' level 2 they compile three times slower, so this is the suite's setting only).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+                      "--xla_cpu_use_fusion_emitters=false")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The adaptive schedule's fixed step costs, not ones timed on whatever machine runs the suite: tests that count
 # drafts stay deterministic. tests/decode/test_costs.py measures them as users' runs do.
