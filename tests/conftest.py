@@ -25,6 +25,12 @@ os.environ.setdefault("JAXSPEC_STEP_COSTS", "default")
 # their own.
 os.environ.setdefault("JAXSPEC_MIN_BUFFER", "32")
 os.environ.setdefault("JAXSPEC_PREFILL_CHUNK", "8")
+# Verify blocks of 1 and K + 1 only: each width is a copy of the forward in the compiled loop, and the intermediate
+# ones (the powers of two) run the same code at another static width, so most modules need not compile them (an
+# eighth off the suite: 546 -> 479 s). Every round that drafts fewer than K then pads its block, the path the
+# narrower widths share. The modules that test the widths themselves, and tests/strategies/test_every_strategy.py
+# (every drafter, ragged batches), run the users' widths: `default_verify_widths` below.
+os.environ.setdefault("JAXSPEC_VERIFY_WIDTHS", "ends")
 
 import pytest
 
@@ -111,6 +117,15 @@ def compilation_cache(tmp_path_factory):
     jaxspec.enable_compilation_cache(str(tmp_path_factory.mktemp("xla")))
     # Every executable, not only those that took over half a second: the tiny models' loops compile in about that.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+@pytest.fixture
+def default_verify_widths(monkeypatch):
+    """The users' verify widths (1, the powers of two below K + 1, and K + 1) instead of the suite's two, for a
+    module that marks itself `pytestmark = pytest.mark.usefixtures("default_verify_widths")`."""
+    from jaxspec import schedule
+
+    monkeypatch.setattr(schedule, "WIDTH_RULE", "powers")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -18,6 +18,9 @@ from jaxspec.settings import SamplingConfig
 from jaxspec.sharding import ShardingRules
 from jaxspec.strategies import DraftingConfig, choose_strategy, default_prefill_chunk
 
+# The users' verify widths, not the suite's two (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("default_verify_widths")
+
 GENERATE = sys.modules["jaxspec.generate"]  # the module (jaxspec.generate is also the function)
 IDS = np.array([[5, 17, 29, 41, 53, 65, 77, 89]], np.int32)
 

@@ -11,6 +11,9 @@ import pytest
 
 from tests.fixtures.paths import BENCHMARKS
 
+# The users' verify widths, not the suite's two (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("default_verify_widths")
+
 
 @pytest.fixture(scope="module")
 def simulation():

@@ -19,6 +19,9 @@ import jaxspec
 from tests.fixtures.moe import FAMILIES, save_checkpoint
 from tests.fixtures.prompts import PROMPTS
 
+# The users' verify widths, not the suite's two (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("default_verify_widths")
+
 N = 20
 STRATEGIES = {
     "prompt_lookup": dict(prompt_lookup_num_tokens=4),
