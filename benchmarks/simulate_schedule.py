@@ -1,9 +1,10 @@
 """The adaptive schedule's decisions without the machine's noise: its own `Schedule`, driven on the host.
 
-    python benchmarks/simulate_schedule.py [--tokens 32] [--seeds 12]
+    python benchmarks/simulate_schedule.py [--tokens 32] [--seeds 12] [--only "CPU MTP"] [--probe-unit 0.05]
 
-Each scenario is a batch of rows that accept each draft with a fixed probability, and the prices of a loop at that
-batch (verify widths 1, 2, 3 and one draft, in plain steps: what jaxspec/costs.py measures). Every round asks the
+Each scenario is a batch of rows that accept each draft with a fixed probability (or, for text that repeats in
+bursts, a probability that follows the row's position: so many tokens at one rate, then so many at another, over
+and over), and the prices of a loop at that batch (verify widths 1, 2, 3 and one draft, in plain steps: what jaxspec/costs.py measures). Every round asks the
 schedule how many drafts the batch proposes, draws each row's accepted drafts, and updates the schedule with the
 round, as the compiled loop does, until every row has its tokens; the batch then ends with its slowest row, as a
 static batch does. The table shows rounds, rounds that drafted and how many of them were probes, and the speedup the
@@ -34,7 +35,25 @@ SCENARIOS = (
     ("CPU MTP prices, batch 1 at 0", (0.0,), (1.0, 1.50, 2.21), 0.10),
     ("CPU MTP prices, batch 1 at 0.38", (0.38,), (1.0, 1.50, 2.21), 0.10),
     ("CPU MTP prices, batch 1 at 0.5", (0.5,), (1.0, 1.50, 2.21), 0.10),
+    # Bursts: a row's text turns predictable for a stretch (a quoted block, a repeated identifier) and back, what
+    # the probes are there to notice. (tokens, rate) segments, repeated.
+    ("CPU MTP prices, bursts: 48 at 0.2, 16 at 0.9", (((48, 0.2), (16, 0.9)),), (1.0, 1.50, 2.21), 0.10),
+    ("CPU MTP prices, bursts: 24 at 0.3, 8 at 0.9", (((24, 0.3), (8, 0.9)),), (1.0, 1.50, 2.21), 0.10),
+    ("batch 8, bursts: 48 at 0.2, 16 at 0.9", tuple(((16 * i, 0.2), (16, 0.9), (48 - 16 * i, 0.2))
+                                                  for i in (0, 1, 2, 3)) * 2, (1.0, 1.24, 1.4), 0.17),
 )
+
+
+def rate_at(rate, position: int) -> float:
+    """A row's acceptance at its `position`-th new token: a fixed rate, or (tokens, rate) segments repeated."""
+    if isinstance(rate, float):
+        return rate
+    position %= sum(length for length, _ in rate)
+    for length, value in rate:
+        if position < length:
+            return value
+        position -= length
+    raise AssertionError("unreachable")
 
 
 @dataclasses.dataclass
@@ -46,7 +65,7 @@ class Run:
 
 
 def simulate(rates, verify_costs, draft_cost: float, tokens: int, seed: int, max_draft: int = 2) -> Run:
-    """One batch decoded to `tokens` new tokens a row, with drafts accepted at `rates` ([B])."""
+    """One batch decoded to `tokens` new tokens a row, with drafts accepted at `rates` ([B], each `rate_at`)."""
     import jax.numpy as jnp
 
     from jaxspec.schedule import make_schedule
@@ -66,7 +85,7 @@ def simulate(rates, verify_costs, draft_cost: float, tokens: int, seed: int, max
         probing = bool(schedule.probing(state, active))
         accepted = np.zeros(batch, np.int64)  # [B] the leading drafts each row's target agrees with
         for row in range(batch):
-            while accepted[row] < drafts and rng.random() < rates[row]:
+            while accepted[row] < drafts and rng.random() < rate_at(rates[row], done[row] + accepted[row]):
                 accepted[row] += 1
         committed = np.where(running, accepted + 1, 0)
         result = RoundResult(drafted=jnp.asarray(np.where(running, drafts, 0)), accepted=jnp.asarray(accepted),
@@ -84,11 +103,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=32, help="new tokens a row")
     parser.add_argument("--seeds", type=int, default=12, help="batches simulated a scenario (their mean is shown)")
+    parser.add_argument("--probe-unit", type=float, default=None,
+                        help="what-if: Schedule.PROBE_UNIT for this run (a smaller unit spaces costly probes further)")
+    parser.add_argument("--only", default="", help="run only the scenarios whose name contains this")
     args = parser.parse_args(argv)
+    if args.probe_unit is not None:
+        from jaxspec.schedule import Schedule
+
+        Schedule.PROBE_UNIT = args.probe_unit  # read on the host when the schedule spaces its probes
     print(f"{args.tokens} tokens a row, mean of {args.seeds} seeds\n")
     print("| scenario | rounds | drafting rounds | probes | speedup the prices give |")
     print("|---|---:|---:|---:|---:|")
     for name, rates, verify_costs, draft_cost in SCENARIOS:
+        if args.only not in name:
+            continue
         runs = [simulate(rates, verify_costs, draft_cost, args.tokens, seed) for seed in range(args.seeds)]
         mean = {field: np.mean([getattr(r, field) for r in runs]) for field in ("rounds", "drafting", "probes")}
         speedup = np.mean([args.tokens / r.cost for r in runs])
