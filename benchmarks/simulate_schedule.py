@@ -3,13 +3,14 @@
     python benchmarks/simulate_schedule.py [--tokens 32] [--seeds 12] [--only "CPU MTP"] [--probe-unit 0.05]
 
 Each scenario is a batch of rows that accept each draft with a fixed probability (or, for text that repeats in
-bursts, a probability that follows the row's position: so many tokens at one rate, then so many at another, over
-and over), and the prices of a loop at that batch (verify widths 1, 2, 3 and one draft, in plain steps: what
-jaxspec/costs.py measures). Every round asks the schedule how many drafts the batch proposes, draws each row's accepted drafts, and updates the schedule with the
-round, as the compiled loop does, until every row has its tokens; the batch then ends with its slowest row, as a
-static batch does. The table shows rounds, rounds that drafted and how many of them were probes, and the speedup the
-prices give over plain decoding (one plain step per token). On a CPU whose speed moves by 0.3 between passes, this is
-how a change to the schedule's rule shows what it does to its decisions (docs/design.md, 'Batches').
+bursts, a probability that follows the row's position: so many tokens at one rate, then so many at another, over and
+over), and the prices of a loop at that batch (verify widths 1, 2, 3 and one draft, in plain steps: what
+jaxspec/costs.py measures). Every round asks the schedule how many drafts the batch proposes, draws each row's
+accepted drafts, and updates the schedule with the round, as the compiled loop does, until every row has its tokens;
+the batch then ends with its slowest row, as a static batch does. The table shows rounds, rounds that drafted and
+how many of them were probes, and the speedup the prices give over plain decoding (one plain step per token). On a
+CPU whose speed moves by 0.3 between passes, this is how a change to the schedule's rule shows what it does to its
+decisions (docs/design.md, 'Batches').
 """
 
 from __future__ import annotations
