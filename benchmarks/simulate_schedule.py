@@ -40,6 +40,8 @@ SCENARIOS = (
     # the probes are there to notice. (tokens, rate) segments, repeated.
     ("CPU MTP prices, bursts: 48 at 0.2, 16 at 0.9", (((48, 0.2), (16, 0.9)),), (1.0, 1.50, 2.21), 0.10),
     ("CPU MTP prices, bursts: 24 at 0.3, 8 at 0.9", (((24, 0.3), (8, 0.9)),), (1.0, 1.50, 2.21), 0.10),
+    # A long answer that turns to repeated text (run it with --tokens 256): how soon a backed-off row notices.
+    ("CPU MTP prices, 160 at 0.1, then 96 at 0.9", (((160, 0.1), (96, 0.9)),), (1.0, 1.50, 2.21), 0.10),
     ("batch 8, bursts: 48 at 0.2, 16 at 0.9", tuple(((16 * i, 0.2), (16, 0.9), (48 - 16 * i, 0.2))
                                                   for i in (0, 1, 2, 3)) * 2, (1.0, 1.24, 1.4), 0.17),
 )
