@@ -120,7 +120,8 @@ def test_prompt_lookup_backs_off_where_nothing_copies(target):
     assert adaptive.drafted.sum() < constant.drafted.sum() / 4
 
 
-# Slow: a knob for accelerator A/Bs, not a default (docs/design.md, 'On a GPU').
+# Slow: a knob for accelerator A/Bs, not the users' default (docs/design.md, 'On a GPU'). The default suite decodes
+# at the ends in most modules (tests/conftest.py), against plain greedy; this compares the two rules directly.
 @pytest.mark.slow
 def test_verify_widths_at_the_ends_decode_the_same_tokens(target, monkeypatch):
     """JAXSPEC_VERIFY_WIDTHS=ends, an A/B for accelerators: blocks of 1 and K + 1 only, from a loop that compiled
