@@ -14,6 +14,8 @@ import pytest
 from tests.fixtures.paths import BENCHMARKS, REPO_ROOT
 
 SCRIPT = os.path.join(BENCHMARKS, "device_check.py")
+# The suite's own settings (tests/conftest.py), dropped from the script's environment: it runs as users run it.
+SUITE_SETTINGS = ("JAXSPEC_MIN_BUFFER", "JAXSPEC_PREFILL_CHUNK", "JAXSPEC_VERIFY_WIDTHS")
 TINY_STRATEGIES = ("greedy", "prompt_lookup", "early_exit")
 BATCH_SIZES = ("1", "8")
 COLUMNS = ("model", "strategy", "settings", "batch", "tok/s", "speedup", "modelled", "compile s", "acceptance",
@@ -29,11 +31,10 @@ def device_check():
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """The script's whole CI run, once. The users' buffer sizes (the suite's small ones are dropped): both prompts
-    then fit one cache bucket, so batch 1 compiles one loop per strategy, not two. XLA's fast-compile flags, since
-    compiling is nearly all of the run; no compilation cache, so every loop really compiles."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("JAXSPEC_MIN_BUFFER", "JAXSPEC_PREFILL_CHUNK")}
+    """The script's whole CI run, once. The users' buffer sizes and verify widths (the suite's are dropped): both
+    prompts then fit one cache bucket, so batch 1 compiles one loop per strategy, not two. XLA's fast-compile flags,
+    since compiling is nearly all of the run; no compilation cache, so every loop really compiles."""
+    env = {key: value for key, value in os.environ.items() if key not in SUITE_SETTINGS}
     env |= {"JAX_PLATFORMS": "cpu", "JAXSPEC_STEP_COSTS": "default", "JAXSPEC_COMPILATION_CACHE": "off",
             "JAXSPEC_CACHE": str(tmp_path_factory.mktemp("jaxspec-cache")),
             "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
@@ -174,8 +175,7 @@ def test_settings_side_by_side_from_each_run_s_table(device_check):
 def test_compare_settings_runs_the_check_under_each_setting(tmp_path):
     """The tiny check under each of SETTINGS, each process with its variables: one line per strategy with a figure
     from every setting, all identical to plain greedy decoding."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("JAXSPEC_MIN_BUFFER", "JAXSPEC_PREFILL_CHUNK")}
+    env = {key: value for key, value in os.environ.items() if key not in SUITE_SETTINGS}
     env |= {"JAX_PLATFORMS": "cpu", "JAXSPEC_STEP_COSTS": "default", "JAXSPEC_COMPILATION_CACHE": "off",
             "JAXSPEC_CACHE": str(tmp_path), "XLA_FLAGS": "--xla_backend_optimization_level=0"}
     command = [sys.executable, SCRIPT, "--tiny", "--max-new-tokens", "8", "--repeats", "1", "--batch-sizes", "1",
