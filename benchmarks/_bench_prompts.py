@@ -57,3 +57,11 @@ PROMPTS: dict[str, str] = {
 # Lengths of the fixed random prompts used when no tokenizer is installed for a random model (same order).
 RANDOM_PROMPT_LENGTHS: dict[str, int] = {"code_completion": 60, "code_editing": 180, "chat": 40, "summary": 150,
                                          "story": 30}
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """`text` as one user message in the tokenizer's chat template, ready for the model to answer: its token ids
+    (the template writes any special tokens itself)."""
+    templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                              add_generation_prompt=True)
+    return tokenizer(templated, add_special_tokens=False)["input_ids"]

@@ -43,7 +43,7 @@ import sys
 
 import numpy as np
 
-from _bench_prompts import STORY
+from _bench_prompts import STORY, chat_ids
 from _record import Record, add_results_argument
 
 
@@ -98,10 +98,7 @@ def main(argv=None) -> None:
         ids = [np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt_tokens).tolist()]
     else:
         model = jaxspec.load(args.model)
-        tokenizer = model.tokenizer
-        text = tokenizer.apply_chat_template([{"role": "user", "content": STORY}], tokenize=False,
-                                             add_generation_prompt=True)
-        ids = [tokenizer(text, add_special_tokens=False)["input_ids"]]
+        ids = [chat_ids(model.tokenizer, STORY)]
     ids = ids * args.batch  # [batch][prompt]
     settings = settings_lib.resolve(model, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=[])
     drafters = {"plain decoding": Drafter(0)}

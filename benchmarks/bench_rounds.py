@@ -25,7 +25,7 @@ import argparse
 import statistics
 import sys
 
-from _bench_prompts import PROMPTS
+from _bench_prompts import PROMPTS, chat_ids
 from _record import Record, add_results_argument
 
 STRATEGIES = {"mtp": {"use_mtp": True}, "prompt_lookup": {"prompt_lookup_num_tokens": 10},
@@ -51,10 +51,7 @@ def main(argv=None) -> None:
     kwargs = dict(STRATEGIES[args.strategy])
     if "assistant_model" in kwargs:
         kwargs["assistant_model"] = jaxspec.load(kwargs["assistant_model"])
-    tokenizer = model.tokenizer
-    ids = {name: tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                         add_generation_prompt=True),
-                           add_special_tokens=False)["input_ids"] for name, text in PROMPTS.items()}
+    ids = {name: chat_ids(model.tokenizer, text) for name, text in PROMPTS.items()}
 
     def calls(name):
         plain = jaxspec.generate(model, [ids[name]], max_new_tokens=args.max_new_tokens)

@@ -28,7 +28,7 @@ import dataclasses
 import statistics
 import sys
 
-from _bench_prompts import PROMPTS
+from _bench_prompts import PROMPTS, chat_ids
 from _record import Record, add_results_argument
 
 
@@ -64,12 +64,7 @@ def main(argv=None) -> None:
         if tree.nodes != args.chain:
             p.error(f"tree {describe(tree)}: its node budget must equal --chain {args.chain} (equal widths)")
     model = jaxspec.load(args.model)
-    tokenizer = model.tokenizer
-    prompts = {}
-    for name, text in PROMPTS.items():
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-        prompts[name] = [tokenizer(text, add_special_tokens=False)["input_ids"]]
+    prompts = {name: [chat_ids(model.tokenizer, text)] for name, text in PROMPTS.items()}
 
     def strategy_arguments(drafter: str) -> tuple[str, dict]:
         name, _, path = drafter.partition("=")
