@@ -8,7 +8,8 @@ assistants'). A drafter's errors cost acceptance, never correctness: the target 
 
 Names: `project(spec, x, w)` is `jnp.einsum(spec, x, w)` for a plain array and the W8A8 product for an
 `Int8Weight`, so model code has one call for both. Specs contract the trailing axes of `x` with leading or trailing
-axes of `w` and share no batch axis between them, as every projection of the model families does.
+axes of `w` and share no batch axis between them, as every projection of the model families does. On XLA:CPU,
+`per_row(fn, x, *weights)` runs a row-wise step of 2-4 rows one row at a time, as `project` does for LM heads.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def project(spec: str, x: jax.Array, w, preferred_element_type=None) -> jax.Arra
     """`jnp.einsum(spec, x, w)`, or the W8A8 product when `w` is an `Int8Weight` (result in x's dtype, or
     `preferred_element_type`)."""
     if not isinstance(w, Int8Weight):
-        return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
+        rows = _per_row(spec, x, w, preferred_element_type)
+        return rows if rows is not None else jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     x_axes, w_axes, out_axes = _parse(spec, x.ndim)
     contracted = [a for a in x_axes if a in w_axes and a not in out_axes]
     if set(x_axes) & set(w_axes) - set(contracted):
@@ -100,6 +102,52 @@ def project(spec: str, x: jax.Array, w, preferred_element_type=None) -> jax.Arra
     if unit_axis is not None:
         out = jnp.squeeze(out, out_axes.index(unit_axis))
     return out.astype(preferred_element_type or x.dtype)
+
+
+PER_ROW_MAX = 4  # the most rows `per_row` splits: at 8, one matrix product costs less than 8 row products
+PER_ROW_MIN_WEIGHT = 1 << 23  # elements: `project` splits its rows itself for weights this large (LM heads)
+
+
+def per_row(fn, x: jax.Array, *weights) -> jax.Array:
+    """`fn(x)` for a row-wise `fn` ([..., C] -> [..., F], rows independent), run one row at a time on XLA:CPU when
+    `x` has 2 to PER_ROW_MAX rows and `weights` (those `fn` multiplies by) are plain arrays.
+
+    A verify block of 2-4 tokens is where XLA:CPU's products are at their worst: it runs a product of a few rows as
+    a matrix multiply that streams the weight more slowly than its one-row matrix-vector product does, so a block of
+    2 cost 1.70 plain steps in SmolLM2-135M's decoding loop. One row at a time, each weight of a layer is still in the
+    L3 cache when the next row reads it (docs/design.md, 'Verify blocks on a CPU'). The rows run in a `lax.map`,
+    whose body XLA compiles once, and a caller groups the products of one row-wise step (an MLP) into one `fn`,
+    since each map adds compile time (unrolled rows added 3-4 times as much). Int8 weights keep their own kernel,
+    which is slow on a single row (`_pad_single_row`)."""
+    rows = math.prod(x.shape[:-1])
+    if (jax.default_backend() != "cpu" or not 2 <= rows <= PER_ROW_MAX
+            or any(isinstance(w, Int8Weight) for w in weights)):
+        return fn(x)
+    out = jax.lax.map(fn, x.reshape(rows, x.shape[-1]))  # [N, F]
+    return out.reshape(x.shape[:-1] + out.shape[1:])
+
+
+def _per_row(spec: str, x: jax.Array, w: jax.Array, preferred_element_type) -> jax.Array | None:
+    """`project`'s own `per_row` for a weight of at least PER_ROW_MIN_WEIGHT elements (an LM head, which no cache
+    holds, but which a matrix-vector product streams faster, row after row, than a product of a few rows does); None
+    where `jnp.einsum` serves (smaller weights, other backends and row counts, specs whose contracted axes are not
+    x's trailing ones). The rows are unrolled: in a `lax.map`, a tied head read through a transpose of the embedding
+    was copied whole every call (a block of 2 then cost 2.25 one-token forwards, not 1.65)."""
+    if jax.default_backend() != "cpu" or w.size < PER_ROW_MIN_WEIGHT:
+        return None
+    x_axes, w_axes, out_axes = _parse(spec, x.ndim)
+    contracted = "".join(a for a in x_axes if a in w_axes and a not in out_axes)
+    free_x = x_axes[: len(x_axes) - len(contracted)]
+    free_w = "".join(a for a in w_axes if a not in contracted)
+    rows = math.prod(x.shape[: len(free_x)])
+    if not 2 <= rows <= PER_ROW_MAX or not x_axes.endswith(contracted) or sorted(out_axes) != sorted(free_x + free_w):
+        return None
+    row_spec = f"{contracted},{w_axes}->{free_w}"
+    flat = x.reshape((rows,) + x.shape[len(free_x):])  # [N, *contracted]
+    out = jnp.stack([jnp.einsum(row_spec, flat[i], w, preferred_element_type=preferred_element_type)
+                     for i in range(rows)])  # unrolled: in a loop, a transposed view (a tied head) would be copied
+    out = out.reshape(x.shape[: len(free_x)] + out.shape[1:])  # [*x's free axes, *w's free axes]
+    return jnp.transpose(out, [(free_x + free_w).index(a) for a in out_axes])
 
 
 def _with_unit_axis(x: jax.Array, x_axes: str, w_axes: str, out_axes: str, contracted: list[str]):

@@ -187,9 +187,12 @@ def cached_attention(
 
 
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU MLP: down(silu(x @ gate) * (x @ up)). x: [..., D], w_gate/w_up: [D, F], w_down: [F, D]."""
-    gate, up = I.project("...d,df->...f", x, w_gate), I.project("...d,df->...f", x, w_up)
-    return I.project("...f,fd->...d", jax.nn.silu(gate) * up, w_down)
+    """SwiGLU MLP: down(silu(x @ gate) * (x @ up)). x: [..., D], w_gate/w_up: [D, F], w_down: [F, D]. A verify
+    block of a few rows runs it row by row on a CPU (`int8.per_row`)."""
+    def mlp(h):  # [..., D] -> [..., D]
+        gate, up = I.project("...d,df->...f", h, w_gate), I.project("...d,df->...f", h, w_up)
+        return I.project("...f,fd->...d", jax.nn.silu(gate) * up, w_down)
+    return I.per_row(mlp, x, w_gate, w_up, w_down)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -281,9 +284,12 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
 
 
 def gelu_gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """GeGLU MLP with the tanh GELU (HF `gelu_pytorch_tanh`): down(gelu(x @ gate) * (x @ up))."""
-    gate, up = I.project("...d,df->...f", x, w_gate), I.project("...d,df->...f", x, w_up)
-    return I.project("...f,fd->...d", jax.nn.gelu(gate, approximate=True) * up, w_down)
+    """GeGLU MLP with the tanh GELU (HF `gelu_pytorch_tanh`): down(gelu(x @ gate) * (x @ up)), row by row as
+    `gated_mlp`."""
+    def mlp(h):  # [..., D] -> [..., D]
+        gate, up = I.project("...d,df->...f", h, w_gate), I.project("...d,df->...f", h, w_up)
+        return I.project("...f,fd->...d", jax.nn.gelu(gate, approximate=True) * up, w_down)
+    return I.per_row(mlp, x, w_gate, w_up, w_down)
 
 
 def proportional_inv_freq(head_dim: int, theta: float, partial_rotary_factor: float, factor: float = 1.0) -> jax.Array:
