@@ -327,7 +327,10 @@ class Schedule:
         accepted = jnp.where(tried, self.DECAY * state.accepted + on_chain, state.accepted)
         # The round's choice, made from this same state: a round that drafted only because nothing paid was a probe,
         # for every row that drafted in it, so that the rows' cooldowns stay in step.
-        depth, branching = self.choice(state, active)
+        if self.priced:
+            depth, branching = self.choice(state, active)
+        else:  # no widths to choose among: the cap alone decides, so no round is a probe
+            depth, branching = jnp.int32(cap), jnp.int32(self.entries_per_draft)
         # A tree round's depths reached along the chain each accepted the chain's token or an alternative, or neither.
         branched = tried & (depth > 0) & (branching > 1)
         branch_accepted = jnp.where(branched, self.DECAY * state.branch_accepted + result.accepted,
@@ -341,7 +344,8 @@ class Schedule:
         # (docs/design.md, 'Batches'). At batch 1 a hit's two tokens pay for any probe that costs less than two plain
         # steps, so a lone row that hits probes again at once.
         probe_tokens = jnp.sum(jnp.where(active, jnp.where(tried, result.accepted, 0) + 1, 0))
-        probe_paid = probe_tokens >= self.round_price(jnp.ones((), jnp.int32)) * jnp.sum(active)
+        probe_paid = (probe_tokens >= self.round_price(jnp.ones((), jnp.int32)) * jnp.sum(active)
+                      if self.priced else True)
         missed = tried & probe_round & ((result.accepted == 0) | ~probe_paid)
         misses = jnp.where(missed, state.misses + 1, jnp.where(tried & (result.accepted > 0), 0, state.misses))
         backoff = jnp.minimum(jnp.left_shift(1, jnp.clip(misses - 1, 0, 8)), MAX_COOLDOWN) * self.probe_spacing
