@@ -154,14 +154,7 @@ def _layer_loops_ms(model, widths, head, steps: int, runs: int = 6) -> dict[tupl
             compiled[width, scan] = run.lower(width, scan, state, stacked, head, cache).compile()
             result[width, scan] = (float("inf"), time.perf_counter() - started)
             caches[width, scan] = compiled[width, scan](state, stacked, head, cache)[0]  # warm
-    for _ in range(runs):
-        for key, executable in compiled.items():
-            started = time.perf_counter()
-            caches[key], checksum = executable(state, stacked, head, caches[key])
-            jax.block_until_ready(checksum)
-            ms = (time.perf_counter() - started) / steps * 1e3
-            result[key] = (min(result[key][0], ms), result[key][1])
-    return result
+    return _take_turns(compiled, caches, result, steps, runs, state, stacked, head)
 
 
 def _per_row_loops_ms(model, widths, head, steps: int, runs: int = 8) -> dict[tuple[int, bool], tuple[float, float]]:
@@ -208,10 +201,21 @@ def _per_row_loops_ms(model, widths, head, steps: int, runs: int = 8) -> dict[tu
     finally:
         int8.PER_ROW_MAX = default_max
         jax.clear_caches()
+    return _take_turns(compiled, caches, result, steps, runs, state, head)
+
+
+def _take_turns(compiled: dict, caches: dict, result: dict, steps: int, runs: int, *inputs) -> dict:
+    """Runs each compiled loop `executable(*inputs, cache) -> (cache, checksum)` in turn, `runs` times over, and
+    keeps each one's fastest run as milliseconds per forward in `result[key]` = (ms, compile seconds): timed one
+    after the other, this machine's drift between loops was larger than the differences they measure."""
+    import time
+
+    import jax
+
     for _ in range(runs):
         for key, executable in compiled.items():
             started = time.perf_counter()
-            caches[key], checksum = executable(state, head, caches[key])
+            caches[key], checksum = executable(*inputs, caches[key])
             jax.block_until_ready(checksum)
             ms = (time.perf_counter() - started) / steps * 1e3
             result[key] = (min(result[key][0], ms), result[key][1])

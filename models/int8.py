@@ -113,12 +113,12 @@ def per_row(fn, x: jax.Array, *weights) -> jax.Array:
     `x` has 2 to PER_ROW_MAX rows and `weights` (those `fn` multiplies by) are plain arrays.
 
     A verify block of 2-4 tokens is where XLA:CPU's products are at their worst: it runs a product of a few rows as
-    a matrix multiply that streams the weight more slowly than its one-row matrix-vector product does, so a block of
-    2 cost 1.70 plain steps in SmolLM2-135M's decoding loop. One row at a time, each weight of a layer is still in the
-    L3 cache when the next row reads it (docs/design.md, 'Verify blocks on a CPU'). The rows run in a `lax.map`,
-    whose body XLA compiles once, and a caller groups the products of one row-wise step (an MLP) into one `fn`,
-    since each map adds compile time (unrolled rows added 3-4 times as much). Int8 weights keep their own kernel,
-    which is slow on a single row (`_pad_single_row`)."""
+    a matrix multiply that streams the weight more slowly than its one-row matrix-vector product does. One row at a
+    time, each weight of a layer is still in the L3 cache when the next row reads it (figures: docs/design.md,
+    'Verify blocks on a CPU'). The rows run in a `lax.map`, whose body XLA compiles once, and a caller groups the
+    products of one row-wise step (an MLP) into one `fn`, since each map adds compile time (unrolled, every split
+    compiled in 3-4 times as long as one product). Int8 weights keep their own kernel, which is slow on a single row
+    (`_pad_single_row`)."""
     rows = math.prod(x.shape[:-1])
     if (jax.default_backend() != "cpu" or not 2 <= rows <= PER_ROW_MAX
             or any(isinstance(w, Int8Weight) for w in weights)):
@@ -132,7 +132,7 @@ def _per_row(spec: str, x: jax.Array, w: jax.Array, preferred_element_type) -> j
     holds, but which a matrix-vector product streams faster, row after row, than a product of a few rows does); None
     where `jnp.einsum` serves (smaller weights, other backends and row counts, specs whose contracted axes are not
     x's trailing ones). The rows are unrolled: in a `lax.map`, a tied head read through a transpose of the embedding
-    was copied whole every call (a block of 2 then cost 2.25 one-token forwards, not 1.65)."""
+    was copied whole every call."""
     if jax.default_backend() != "cpu" or w.size < PER_ROW_MIN_WEIGHT:
         return None
     x_axes, w_axes, out_axes = _parse(spec, x.ndim)
