@@ -9,6 +9,7 @@ Dimension letters: B batch, T query length, S cache length, D model width, H que
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -187,11 +188,16 @@ def cached_attention(
 
 
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU MLP: down(silu(x @ gate) * (x @ up)). x: [..., D], w_gate/w_up: [D, F], w_down: [F, D]. A verify
-    block of a few rows runs it row by row on a CPU (`int8.per_row`)."""
+    """SwiGLU MLP: down(silu(x @ gate) * (x @ up)). x: [..., D], w_gate/w_up: [D, F], w_down: [F, D]."""
+    return _gated_mlp(x, w_gate, w_up, w_down, jax.nn.silu)
+
+
+def _gated_mlp(x: jax.Array, w_gate, w_up, w_down, activation) -> jax.Array:
+    """down(activation(x @ gate) * (x @ up)); a verify block of a few rows runs it row by row on a CPU
+    (`int8.per_row`)."""
     def mlp(h):  # [..., D] -> [..., D]
         gate, up = I.project("...d,df->...f", h, w_gate), I.project("...d,df->...f", h, w_up)
-        return I.project("...f,fd->...d", jax.nn.silu(gate) * up, w_down)
+        return I.project("...f,fd->...d", activation(gate) * up, w_down)
     return I.per_row(mlp, x, w_gate, w_up, w_down)
 
 
@@ -284,12 +290,8 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
 
 
 def gelu_gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """GeGLU MLP with the tanh GELU (HF `gelu_pytorch_tanh`): down(gelu(x @ gate) * (x @ up)), row by row as
-    `gated_mlp`."""
-    def mlp(h):  # [..., D] -> [..., D]
-        gate, up = I.project("...d,df->...f", h, w_gate), I.project("...d,df->...f", h, w_up)
-        return I.project("...f,fd->...d", jax.nn.gelu(gate, approximate=True) * up, w_down)
-    return I.per_row(mlp, x, w_gate, w_up, w_down)
+    """GeGLU MLP with the tanh GELU (HF `gelu_pytorch_tanh`): down(gelu(x @ gate) * (x @ up))."""
+    return _gated_mlp(x, w_gate, w_up, w_down, functools.partial(jax.nn.gelu, approximate=True))
 
 
 def proportional_inv_freq(head_dim: int, theta: float, partial_rotary_factor: float, factor: float = 1.0) -> jax.Array:
