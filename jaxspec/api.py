@@ -8,6 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from . import catalog, checkpoint
+from .layout import use_cpu_layout
 from .loading import Model, convert, default_dtype
 
 
@@ -23,6 +24,9 @@ def load(path: str, dtype: Any = None, progress: bool = False, *, mesh=None, sha
     With a `mesh` (which may span processes: see `jaxspec.distributed`), every param is created sharded on it by its
     logical axes (`sharding_rules`, default `jaxspec.sharding.ShardingRules()`), each process reading only the slices
     its own devices hold; pass the same mesh to `generate`. MoE layers then run expert-parallel.
+
+    A model on one CPU device keeps its decoder layers' projections transposed, the layout XLA:CPU multiplies
+    fastest (`jaxspec.layout`); read a param's array in the model code's layout with `jaxspec.layout.logical`.
     """
     path = os.fspath(path)
     if catalog.is_shipped_drafter(path) and not os.path.exists(path):
@@ -30,10 +34,13 @@ def load(path: str, dtype: Any = None, progress: bool = False, *, mesh=None, sha
 
         path = asset_folder(path)
     if catalog.is_catalog_name(path):
-        return checkpoint.load_cached(path, _dtype_or_default(dtype), progress, mesh=mesh, sharding_rules=sharding_rules)
-    if checkpoint.is_converted(path):
-        return checkpoint.restore(path, dtype, mesh=mesh, sharding_rules=sharding_rules)
-    return convert(path, _dtype_or_default(dtype), progress, mesh=mesh, sharding_rules=sharding_rules)
+        model = checkpoint.load_cached(path, _dtype_or_default(dtype), progress, mesh=mesh,
+                                       sharding_rules=sharding_rules)
+    elif checkpoint.is_converted(path):
+        model = checkpoint.restore(path, dtype, mesh=mesh, sharding_rules=sharding_rules)
+    else:
+        model = convert(path, _dtype_or_default(dtype), progress, mesh=mesh, sharding_rules=sharding_rules)
+    return use_cpu_layout(model)  # projections stored [out, in] where the model is on one CPU device
 
 
 def enable_compilation_cache(folder: str | None = None) -> str | None:

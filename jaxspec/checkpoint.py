@@ -50,6 +50,7 @@ from jaxspec.convert.rules import CheckpointMismatch
 
 from . import catalog, distributed, loading
 from .head import is_quantized
+from .layout import standard_layout
 from .loading import Model, _read_json, config_from_hf
 from .tokenizer import load_tokenizer
 
@@ -305,7 +306,7 @@ def write_params(module: nnx.Module, params_dir: str) -> None:
 
     _, state = nnx.split(module)
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(os.path.abspath(params_dir), nnx.to_pure_dict(state))
+        checkpointer.save(os.path.abspath(params_dir), nnx.to_pure_dict(standard_layout(state)))
 
 
 def marker_for(model: Model, source: str) -> dict[str, Any]:

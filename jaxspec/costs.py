@@ -291,6 +291,8 @@ def time_forwards(model: Model, widths: tuple[int, ...], head=None, steps: int =
     cache in place from position START_POSITION on, as decoding does (the cache is donated). Timing single calls
     instead would add a copy of the whole cache and a dispatch to every width, which hides most of the difference
     between widths."""
+    from .head import for_rows
+
     graphdef, state = nnx.split(model.module)
 
     def loop(state, head, cache, width: int):
@@ -300,7 +302,7 @@ def time_forwards(model: Model, widths: tuple[int, ...], head=None, steps: int =
             cache, checksum = carry
             tokens = jnp.ones((batch, width), jnp.int32)
             positions = jnp.broadcast_to(START_POSITION + i * width + jnp.arange(width), (batch, width))  # [B, W]
-            logits, _, cache = module(tokens, positions, cache, head=head)
+            logits, _, cache = module(tokens, positions, cache, head=for_rows(head, batch * width))  # as verifying
             return cache, checksum + logits[0, 0, 0]  # a result that depends on every step
 
         return jax.lax.fori_loop(0, steps, step, (cache, jnp.zeros((), jnp.float32)))

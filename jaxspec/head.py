@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from .loading import Model
-from .models.int8 import SCALE_SUFFIX
+from .models.int8 import PER_ROW_MAX, SCALE_SUFFIX
 
 _transpose = jax.jit(lambda matrix: matrix.T)
 
@@ -32,6 +32,16 @@ def wants_contiguous_head(model: Model) -> bool:
     if not getattr(model.config, "tie_word_embeddings", False) or is_quantized(model):
         return False  # an int8 head (jaxspec.quantize) keeps its own layout and scales
     return all(device.platform == "cpu" for device in model.module.embed[...].devices())
+
+
+COPY_MAX_ROWS = PER_ROW_MAX  # the most rows (batch x block width) a forward multiplies by the copy
+
+
+def for_rows(head: jax.Array | None, rows: int) -> jax.Array | None:
+    """The verify copy for a forward over `rows` rows (batch x block width), or None where the model's own head
+    multiplies faster: XLA:CPU runs 5 rows or more faster against the tied embedding read in place (figures:
+    docs/design.md, 'Weights on a CPU')."""
+    return head if rows <= COPY_MAX_ROWS else None
 
 
 def verify_head(model: Model, target_state, mesh: Mesh | None) -> jax.Array | None:

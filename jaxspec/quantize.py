@@ -19,14 +19,15 @@ import jax
 from flax import nnx
 
 from .head import is_quantized
+from .layout import LAYER_PROJECTIONS
 from .loading import Model
 from .models import int8 as I
 from .models.gemma import GemmaForCausalLM
 from .models.llama import LlamaForCausalLM
 
 MODES = ("int8",)
-# Contracted axes of each quantized param: its scales are per output channel, over these.
-LAYER_PROJECTIONS = {"wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,), "w_up": (0,), "w_down": (0,)}
+# Contracted axes of each quantized param (decoder layers': jaxspec/layout.py): its scales are per output channel,
+# over these.
 TOP_PROJECTIONS = {"embed": (1,), "lm_head": (0,)}  # embed [V, D] is read as the head [D, V]: a scale per token
 
 
@@ -57,7 +58,7 @@ def _quantize_params(module: nnx.Module, projections: dict[str, tuple[int, ...]]
         param = getattr(module, name, None)
         if param is None:
             continue
-        values, scale = _quantize(param[...], contracted)
+        values, scale = _quantize(I.logical(param[...]), contracted)  # a CPU-laid-out weight as named
         axes = param.get_metadata().get("logical_axes")  # a scale axis of size 1 is left unsharded by the rules
         setattr(module, name, nnx.Param(values, logical_axes=axes))
         setattr(module, name + I.SCALE_SUFFIX, nnx.Param(scale, logical_axes=axes))

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .models.int8 import logical
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
@@ -81,7 +83,8 @@ def shard_state(state: Any, mesh: Mesh, rules: ShardingRules) -> Any:
     def place(variable):
         if not isinstance(variable, nnx.Variable):
             return variable
-        return variable.replace(jax.device_put(variable.get_value(), variable_sharding(variable, mesh, rules)))
+        value = logical(variable.get_value())  # the rules name the model code's layout (jaxspec/layout.py)
+        return variable.replace(jax.device_put(value, variable_sharding(variable, mesh, rules)))
 
     return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -7,7 +7,8 @@ multiplies integers, which is what makes a small assistant cheaper per draft (se
 assistants'). A drafter's errors cost acceptance, never correctness: the target verifies every draft.
 
 Names: `project(spec, x, w)` is `jnp.einsum(spec, x, w)` for a plain array and the W8A8 product for an
-`Int8Weight`, so model code has one call for both. Specs contract the trailing axes of `x` with leading or trailing
+`Int8Weight`, so model code has one call for both; a `TransposedWeight` (a float weight stored with its contracted
+axes last, as jaxspec lays projections out on a CPU: jaxspec/layout.py) multiplies as the weight it stands for. Specs contract the trailing axes of `x` with leading or trailing
 axes of `w` and share no batch axis between them, as every projection of the model families does. On XLA:CPU,
 `per_row(fn, x, *weights)` runs a row-wise step of 2-4 rows one row at a time, as `project` does for LM heads.
 """
@@ -40,6 +41,63 @@ class Int8Weight:
     def __getitem__(self, ids: jax.Array) -> "Int8Weight":
         """Rows `ids` of a [V, D] table whose scale is per row ([V, 1]), still quantized (a draft head's rows)."""
         return Int8Weight(self.values[ids], self.scale[ids])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TransposedWeight:
+    """A float weight stored as its transpose by `perm`, which puts the contracted axes last ([out, in] for a
+    matrix). `project` contracts the stored array directly (no transpose is computed); `logical()` is the weight in
+    the layout the model code names (e.g. wq [D, H, Dh], stored [H, Dh, D])."""
+
+    values: jax.Array  # the weight transposed by `perm`
+    perm: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # stored axis i is logical axis perm[i]
+
+    def __getitem__(self, key):
+        """`param[...]`, as nnx reads a Variable's value: the weight itself (only `...` is meaningful)."""
+        if key is not Ellipsis:
+            raise TypeError("A TransposedWeight is indexed whole ([...]); call .logical() for its array.")
+        return self
+
+    def __setitem__(self, key, value):
+        """`param[...] = w`, as nnx writes a Variable's value: `w` in the logical layout, stored transposed."""
+        if key is not Ellipsis or tuple(value.shape) != self.shape:
+            raise TypeError(f"A TransposedWeight is written whole ([...] = an array of shape {self.shape}).")
+        self.values = jnp.transpose(jnp.asarray(value, self.values.dtype), self.perm)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape[self.perm.index(axis)] for axis in range(len(self.perm)))
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    def logical(self) -> jax.Array:
+        return jnp.transpose(self.values, [self.perm.index(axis) for axis in range(len(self.perm))])
+
+    def stored_axes(self, w_axes: str) -> str:
+        """The stored array's axis letters for a spec that names the logical weight's axes `w_axes`."""
+        return "".join(w_axes[axis] for axis in self.perm)
+
+
+def contracted_last(w: jax.Array, contracted: tuple[int, ...]) -> TransposedWeight:
+    """`w` stored with its `contracted` axes last, the others first in their order ([in, out] -> [out, in])."""
+    perm = tuple(a for a in range(w.ndim) if a not in contracted) + tuple(contracted)
+    return TransposedWeight(jnp.transpose(w, perm), perm)
+
+
+def tied_head(embed):
+    """A tied [V, D] embedding as the [D, V] head: on XLA:CPU a `TransposedWeight` (a row's logits are then the
+    matrix-vector product embed @ h, the embedding read in place), elsewhere the transposed view XLA folds in."""
+    if isinstance(embed, Int8Weight) or jax.default_backend() != "cpu":
+        return embed.T
+    return TransposedWeight(embed, (1, 0))
+
+
+def logical(w):
+    """A param as the model code names its layout: the array behind a `TransposedWeight`, anything else as is."""
+    return w.logical() if isinstance(w, TransposedWeight) else w
 
 
 SCALE_SUFFIX = "_scale"  # a quantized param `w` of a module has its scales in the param `w_scale`
@@ -80,6 +138,8 @@ def quantize(w: jax.Array, contracted: tuple[int, ...]) -> tuple[jax.Array, jax.
 def project(spec: str, x: jax.Array, w, preferred_element_type=None) -> jax.Array:
     """`jnp.einsum(spec, x, w)`, or the W8A8 product when `w` is an `Int8Weight` (result in x's dtype, or
     `preferred_element_type`)."""
+    if isinstance(w, TransposedWeight):
+        return _transposed_product(spec, x, w, preferred_element_type)
     if not isinstance(w, Int8Weight):
         rows = _per_row(spec, x, w, preferred_element_type)
         return rows if rows is not None else jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
@@ -147,6 +207,32 @@ def _per_row(spec: str, x: jax.Array, w: jax.Array, preferred_element_type) -> j
     out = jnp.stack([jnp.einsum(row_spec, flat[i], w, preferred_element_type=preferred_element_type)
                      for i in range(rows)])  # unrolled: in a loop, a transposed view (a tied head) would be copied
     out = out.reshape(x.shape[: len(free_x)] + out.shape[1:])  # [*x's free axes, *w's free axes]
+    return jnp.transpose(out, [(free_x + free_w).index(a) for a in out_axes])
+
+
+def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_element_type) -> jax.Array:
+    """`project` for a weight stored contracted axes last, as matrix products that XLA:CPU runs on it in place.
+
+    The weight is flattened to [O, C] and x to [N, C]. One row is the matrix-vector product w @ x, the weight as the
+    left operand: as the right one, XLA would first copy it into [C, O] (its dot canonicalization wants a right
+    operand's contracted axes first). Several rows multiply x by the weight's 2-D transpose, which its matrix
+    multiply reads in place. A spec whose contracted axes are not x's trailing ones in the stored order falls back to
+    an einsum (no model code has one)."""
+    x_axes, w_axes, out_axes = _parse(spec, x.ndim)
+    stored = w.stored_axes(w_axes)
+    contracted = "".join(a for a in stored if a in x_axes and a not in out_axes)
+    free_x, free_w = x_axes[: len(x_axes) - len(contracted)], stored[: len(stored) - len(contracted)]
+    if not (x_axes.endswith(contracted) and stored.endswith(contracted)) or sorted(out_axes) != sorted(free_x + free_w):
+        return jnp.einsum(f"{x_axes},{stored}->{out_axes}", x, w.values, preferred_element_type=preferred_element_type)
+    rows, inner = math.prod(x.shape[: len(free_x)]), math.prod(x.shape[len(free_x):])
+    w2 = w.values.reshape(-1, inner)  # [O, C]
+    x2 = x.reshape(rows, inner)  # [N, C]
+    if rows == 1 or (jax.default_backend() == "cpu" and rows <= PER_ROW_MAX):
+        out = jnp.stack([jnp.matmul(w2, x2[i], preferred_element_type=preferred_element_type)
+                         for i in range(rows)])  # [N, O]
+    else:
+        out = jnp.matmul(x2, w2.T, preferred_element_type=preferred_element_type)  # [N, O]
+    out = out.reshape(x.shape[: len(free_x)] + w.values.shape[: len(free_w)])
     return jnp.transpose(out, [(free_x + free_w).index(a) for a in out_axes])
 
 

@@ -84,12 +84,16 @@ def _rebuild(model, hf_config: dict[str, Any], params: dict[str, Any]):
 
     family = family_for(hf_config, model.source or "model")
     cfg = family.config_from_hf(hf_config)
+    from jaxspec.layout import use_cpu_layout
+
     module = build_module(family.model_cls(), cfg, jnp.dtype(model.dtype), params)
-    return dataclasses.replace(model, module=module, config=cfg, hf_config=hf_config)
+    return use_cpu_layout(dataclasses.replace(model, module=module, config=cfg, hf_config=hf_config))
 
 
 def _pure_params(module: nnx.Module) -> dict[str, Any]:
-    return nnx.to_pure_dict(nnx.state(module))
+    from jaxspec.layout import standard_layout
+
+    return nnx.to_pure_dict(standard_layout(nnx.state(module)))  # the layout build_module fills
 
 
 def _merge(base: dict, update: dict) -> dict:

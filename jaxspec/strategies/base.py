@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..cache import KVCache
+from ..head import for_rows
 from ..model_interface import CausalLM
 from ..processors import History, Processing, process
 from ..schedule import verify_widths
@@ -149,6 +150,7 @@ def run_target(target: CausalLM, tokens: jax.Array, positions: jax.Array, cache,
                feature_layers: tuple[int, ...] = (), tree: TreeBlock | None = None) -> TargetOutput:
     """The target's forward over tokens [B, T], tapping `feature_layers` when a drafter reads them (`tree`: a
     tree-shaped block, jaxspec/tree.py)."""
+    head = for_rows(head, tokens.size)
     if not feature_layers:
         if tree is None:  # families without tree attention keep their call signature's default
             logits, hidden, cache = target(tokens, positions, cache, head=head)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..costs import weight_bytes
+from ..head import for_rows
 from ..schedule import DraftLength, Schedule, make_schedule
 from ..tree import candidate_weights, draw_candidates, sibling_tree
 from .base import Context, DecodeState, Draft, Drafter, DraftStep, PrefillChunk, RoundResult, room_for_drafts
@@ -99,7 +100,8 @@ class BlockDrafter(Drafter):
         embedded = target.embed_tokens(block)[..., : target.cfg.hidden_size] * drafter.cfg.input_embedding_scale
         positions = (loop.lengths - 1)[:, None] + jnp.arange(block.shape[1])[None, :]  # [B, W]
         hidden = drafter.draft_block(embedded, positions, cache, loop.lengths - 1)  # [B, W, D]
-        head = ctx.head if ctx.head is not None else target.head_matrix()
+        head = for_rows(ctx.head, batch * k)
+        head = target.head_matrix() if head is None else head
         logits = drafter.logits(hidden[:, 1:k + 1], head)  # [B, K, V]: entry j drafts the token at position L + j
         rows = jnp.arange(batch)
         tokens, probs, weights, history = [], [], [], loop.tokens

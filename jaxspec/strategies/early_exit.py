@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from .. import inplace
 from ..costs import head_share
+from ..head import for_rows
 from ..schedule import DraftLength
 from .base import Context, DecodeState, DraftStep, RoundResult, TargetOutput
 from .draft_model import AutoregressiveDrafter
@@ -94,7 +95,7 @@ class EarlyExitDrafter(AutoregressiveDrafter):
         x = state.exit_hidden[:, : tokens.shape[1]]
         x, cache = target.run_layers(x, positions, cache, self.exit_layer, None)
         hidden = target.final_hidden(x)
-        return TargetOutput(target.logits(hidden, ctx.head), hidden, cache)
+        return TargetOutput(target.logits(hidden, for_rows(ctx.head, tokens.size)), hidden, cache)
 
 
 ASSISTANT_EARLY_EXIT = Option("assistant_early_exit", "E: the first E layers and the LM head draft (LayerSkip)",

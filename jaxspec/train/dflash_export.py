@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxspec.convert.llama import layer_hf_tensors
 from jaxspec.loading import Model, build_module
+from jaxspec.models import int8 as I
 from jaxspec.models.dflash import DFLASH, DFlashConfig, DFlashDrafter, default_target_layer_ids, layer_param_shapes
 
 from .dflash_data import check_layer_ids
@@ -118,7 +119,7 @@ def initial_params(target, drafter_cfg: DFlashConfig, init_layers: Sequence[int]
     shapes = layer_param_shapes(drafter_cfg)
     layers = {}
     for index, source in enumerate(init_layers):
-        copied = target.module.layers[source].params()
+        copied = {name: I.logical(value) for name, value in target.module.layers[source].params().items()}
         if not all(isinstance(value, jax.Array) for value in copied.values()):  # int8 weights are not
             raise ValueError("fresh drafters copy the target's layers, which must not be quantized; train against "
                              "the float target (jaxspec.load without jaxspec.quantize).")

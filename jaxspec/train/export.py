@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxspec.assets import CONFIG_KEYS, MTP_FILE, with_params
 from jaxspec.checkpoint import atomic_folder
+from jaxspec.models import int8 as I
 from jaxspec.registry import family_for
 
 _SAFETENSORS_DTYPES = {
@@ -59,7 +60,7 @@ def attach_mtp_layers(model, num_layers: int, draft_vocab: np.ndarray | None = N
     init_layer = cfg.num_layers // 2 if init_layer is None else init_layer
     if not 0 <= init_layer < cfg.num_layers:
         raise ValueError(f"init_layer must be in 0..{cfg.num_layers - 1}, got {init_layer}.")
-    block = {name: np.asarray(value) for name, value in model.module.layers[init_layer].params().items()}
+    block = {name: np.asarray(I.logical(value)) for name, value in model.module.layers[init_layer].params().items()}
     block["wo"], block["w_down"] = np.zeros_like(block["wo"]), np.zeros_like(block["w_down"])
     d = cfg.hidden_size
     rng = np.random.default_rng(seed)

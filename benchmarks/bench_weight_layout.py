@@ -1,0 +1,123 @@
+"""Plain greedy step time on a CPU with the decoder layers' projections stored [out, in] (what `jaxspec.load` does
+on one CPU device, jaxspec/layout.py) against the same weights in the model code's [in, out] layout, side by side in
+one process.
+
+    python benchmarks/bench_weight_layout.py [--models smollm2-135m,qwen2.5-coder-0.5b] [--batch-sizes 1,8]
+        [--new-tokens 48] [--repeats 3] [--passes 2] [--results benchmarks/results]
+
+Three sides share one loaded model (float32):
+- `[out, in]`: the model as `jaxspec.load` returns it;
+- `[in, out]`: its projections put back in the model code's layout (`jaxspec.layout.standard_layout`);
+- `[in, out], copy`: that, with the verifying forwards multiplying by the CPU head copy at every block size, as
+  before the copy was kept to blocks of up to 4 rows (`jaxspec.head.COPY_MAX_ROWS`): the layout before both changes.
+
+Per model and batch size (rows from benchmarks/bench.py's prompts, ragged), each side decodes `--new-tokens` tokens
+with no end-of-sequence stop. A step is one target forward: (decode seconds - prefill seconds) / (new tokens - 1),
+the median over `--repeats` calls after one call that compiles. The sides take turns for `--passes` passes, so a
+drifting machine moves them alike; the table gives each side's median step and its ratio to `[out, in]`, and the
+roofline: the bytes a step must read (every weight once) over its time, as a fraction of the read bandwidth
+measured here first (benchmarks/_bench_timing.py). Every side must decode the same tokens, or the script fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+
+from _record import Record, add_results_argument
+
+SIDES = ("[out, in]", "[in, out]", "[in, out], copy")
+BANDWIDTH_MB = 512
+
+
+def twins(model, copy_rows: int) -> dict:
+    """{side: (model, head copy rows)} for one loaded model: the sides share every array but the projections.
+    `copy_rows`: the package's own `COPY_MAX_ROWS`."""
+    from flax import nnx
+
+    from jaxspec.layout import standard_layout
+
+    graphdef, state = nnx.split(model.module)
+    standard = dataclasses.replace(model, module=nnx.merge(graphdef, standard_layout(state)))
+    return {SIDES[0]: (model, copy_rows), SIDES[1]: (standard, copy_rows), SIDES[2]: (standard, 1 << 30)}
+
+
+def step_seconds(model, rows, new_tokens: int, repeats: int) -> tuple[float, list]:
+    """(median seconds per step over `repeats` calls, the first call's token rows), after a compiling call."""
+    import jaxspec
+
+    first = jaxspec.generate(model, rows, max_new_tokens=new_tokens, eos_token_id=[])
+    steps = []
+    for _ in range(repeats):
+        out = jaxspec.generate(model, rows, max_new_tokens=new_tokens, eos_token_id=[])
+        steps.append((out.decode_seconds - out.prefill_seconds) / (new_tokens - 1))
+    return statistics.median(steps), first.sequences.tolist()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--passes", type=int, default=2)
+    add_results_argument(parser)
+    args = parser.parse_args(argv)
+    record = Record("bench_weight_layout", __file__, argv, args.results)
+
+    import jax
+
+    import jaxspec
+    from _bench_plans import weight_bytes_per_token
+    from _bench_prompts import PROMPTS
+    from _bench_timing import measure_read_bandwidth
+    from jaxspec import head, loop
+
+    copy_rows = head.COPY_MAX_ROWS
+    bandwidth = measure_read_bandwidth(BANDWIDTH_MB)
+    models = args.models.split(",")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    rows_out = []
+    print(f"read bandwidth {bandwidth:.1f} GB/s; step ms, median of {args.repeats} calls, median over "
+          f"{args.passes} passes")
+    print(f"| model | batch | {' | '.join(f'{s} ms' for s in SIDES)} | {SIDES[1]} / {SIDES[0]} "
+          f"| {SIDES[2]} / {SIDES[0]} | roofline {SIDES[0]} | roofline {SIDES[2]} |")
+    print("|---|---:|" + "---:|" * (len(SIDES) + 4))
+    for name in models:
+        model = jaxspec.load(name)
+        _, weight_bytes = weight_bytes_per_token(model.module)
+        tok = model.tokenizer
+        texts = list(PROMPTS.values())
+        for batch in batch_sizes:
+            rows = [tok(texts[i % len(texts)], add_special_tokens=False)["input_ids"] for i in range(batch)]
+            times = {side: [] for side in SIDES}
+            tokens = {}
+            sides = twins(model, copy_rows)
+            for _ in range(args.passes):
+                for side, (twin, side_copy_rows) in sides.items():
+                    head.COPY_MAX_ROWS = side_copy_rows
+                    jax.clear_caches()  # the head rule is read while tracing
+                    loop._compiled.clear()
+                    seconds, sequences = step_seconds(twin, rows, args.new_tokens, args.repeats)
+                    times[side].append(seconds)
+                    tokens.setdefault(side, sequences)
+            head.COPY_MAX_ROWS = copy_rows
+            del sides
+            if any(tokens[side] != tokens[SIDES[0]] for side in SIDES):
+                sys.exit(f"{name} batch {batch}: the layouts decoded different tokens")
+            ms = {side: 1e3 * statistics.median(times[side]) for side in SIDES}
+            roofline = {side: weight_bytes / (ms[side] / 1e3) / 1e9 / bandwidth for side in SIDES}
+            print(f"| {name} | {batch} | {' | '.join(f'{ms[s]:.1f}' for s in SIDES)} | {ms[SIDES[1]] / ms[SIDES[0]]:.2f}"
+                  f" | {ms[SIDES[2]] / ms[SIDES[0]]:.2f} | {roofline[SIDES[0]]:.2f} | {roofline[SIDES[2]]:.2f} |",
+                  flush=True)
+            rows_out.append({"model": name, "batch": batch, "step_ms": ms, "per_pass_s": times,
+                             "roofline": roofline})
+        del model
+    record.write(rows_out, models, bandwidth_gb_s=bandwidth, new_tokens=args.new_tokens, repeats=args.repeats,
+                 passes=args.passes)
+
+
+if __name__ == "__main__":
+    main()

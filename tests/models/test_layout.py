@@ -1,0 +1,134 @@
+"""Decoder-layer projections stored [out, in] on a CPU (jaxspec/layout.py, models/int8.py `TransposedWeight`): the
+same products, logits and tokens as the model code's layout, and every path that reads params as arrays (saving,
+writing a param, quantizing, sharding) sees the model code's layout. Logits against transformers for every family
+are checked by the family tests, which load through `jaxspec.load` and so run this layout."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+import jaxspec
+from jaxspec import checkpoint
+from jaxspec.head import COPY_MAX_ROWS, for_rows
+from jaxspec.layout import LAYER_PROJECTIONS, standard_layout
+from jaxspec.models import int8 as I
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the layout is XLA:CPU's alone")
+
+SPECS = [  # (spec, x's free shape, w's shape, contracted axes of w): every projection spec of the layers
+    ("btd,dhk->bthk", (16,), (16, 3, 4), (0,)),
+    ("bthk,hkd->btd", (3, 4), (3, 4, 16), (0, 1)),
+    ("...d,df->...f", (16,), (16, 40), (0,)),
+    ("...d,dv->...v", (16,), (16, 50), (0,)),
+]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("spec, inner, shape, contracted", SPECS)
+def test_project_by_a_transposed_weight_equals_the_einsum(spec, inner, shape, contracted, rows):
+    kx, kw = jax.random.split(jax.random.PRNGKey(rows))
+    x = jax.random.normal(kx, (1, rows) + inner)
+    w = jax.random.normal(kw, shape)
+    stored = I.contracted_last(w, contracted)
+    assert stored.values.shape[-len(contracted):] == tuple(shape[a] for a in contracted)
+    assert stored.shape == shape and stored.logical().shape == shape
+    np.testing.assert_allclose(I.project(spec, x, stored), jnp.einsum(spec, x, w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(stored.logical(), w)
+
+
+def test_a_tied_head_is_the_embedding_read_in_place():
+    embed = jax.random.normal(jax.random.PRNGKey(0), (50, 16))
+    head = I.tied_head(embed)
+    assert isinstance(head, I.TransposedWeight) and head.values is embed and head.shape == (16, 50)
+    hidden = jax.random.normal(jax.random.PRNGKey(1), (2, 3, 16))
+    np.testing.assert_allclose(I.project("...d,dv->...v", hidden, head), hidden @ embed.T, rtol=1e-5, atol=1e-5)
+
+
+def test_the_head_copy_serves_blocks_of_up_to_four_rows():
+    copy = jnp.zeros((16, 50))
+    assert COPY_MAX_ROWS == I.PER_ROW_MAX == 4
+    assert all(for_rows(copy, rows) is copy for rows in (1, 2, 4))
+    assert for_rows(copy, 5) is None and for_rows(copy, 8) is None and for_rows(None, 1) is None
+
+
+def _standard(model):
+    graphdef, state = nnx.split(model.module)
+    return dataclasses.replace(model, module=nnx.merge(graphdef, standard_layout(state)))
+
+
+def _transposed_names(module) -> set[str]:
+    return {f"{index}.{name}" for index, layer in enumerate(module.layers) for name in LAYER_PROJECTIONS
+            if isinstance(getattr(layer, name, None), nnx.Variable)
+            and isinstance(getattr(layer, name)[...], I.TransposedWeight)}
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory):
+    from tests.fixtures import hf_models
+
+    return hf_models.save_tiny_gemma("gemma3_text", tmp_path_factory.mktemp("gemma3"), seed=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_load_stores_every_layer_projection_transposed_with_the_same_logits_and_tokens(family, tiny_llama_dir,
+                                                                                      tiny_gemma3_dir):
+    model = jaxspec.load(tiny_llama_dir if family == "llama" else tiny_gemma3_dir)
+    expected = {f"{index}.{name}" for index, layer in enumerate(model.module.layers) for name in LAYER_PROJECTIONS
+                if getattr(layer, name, None) is not None}
+    assert _transposed_names(model.module) == expected and expected
+    standard = _standard(model)
+    assert not _transposed_names(standard.module)
+    tokens = jnp.asarray([[3, 7, 11, 2, 9, 4]])
+    positions = jnp.arange(6)[None]
+    ours, _, _ = model.module(tokens, positions, model.module.init_cache(1, 16))
+    theirs, _, _ = standard.module(tokens, positions, standard.module.init_cache(1, 16))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    for kwargs in ({}, {"prompt_lookup_num_tokens": 3}):
+        out = jaxspec.generate(model, [[3, 7, 11, 2, 9, 4, 3, 7]], max_new_tokens=8, eos_token_id=[], **kwargs)
+        plain = jaxspec.generate(standard, [[3, 7, 11, 2, 9, 4, 3, 7]], max_new_tokens=8, eos_token_id=[])
+        np.testing.assert_array_equal(out.sequences, plain.sequences)
+
+
+def test_a_saved_model_holds_the_model_codes_layout_and_restores_transposed(target, tmp_path):
+    folder = checkpoint.save(target, str(tmp_path / "saved"))
+    restored = jaxspec.load(folder)
+    assert _transposed_names(restored.module) == _transposed_names(target.module)
+    expected = nnx.to_pure_dict(standard_layout(nnx.state(target.module)))
+    for got, want in zip(jax.tree.leaves(nnx.to_pure_dict(standard_layout(nnx.state(restored.module)))),
+                         jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as reader:  # the files themselves: [in, out], as the converters write
+        on_disk = reader.restore(f"{folder}/{checkpoint.PARAMS_DIR}")
+    assert tuple(on_disk["layers"]["0"]["wq"].shape) == target.module.layers[0].wq[...].shape
+
+
+def test_writing_a_param_takes_the_model_codes_layout(tiny_llama_dir):
+    model = jaxspec.load(tiny_llama_dir)
+    param = model.module.layers[0].w_gate
+    doubled = jaxspec.layout.logical(param[...]) * 2.0
+    param[...] = doubled
+    assert isinstance(param[...], I.TransposedWeight)
+    np.testing.assert_array_equal(jaxspec.layout.logical(param[...]), doubled)
+    with pytest.raises(TypeError, match="written whole"):
+        param[...] = doubled.T
+
+
+def test_quantizing_and_sharding_read_the_model_codes_layout(target):
+    quantized, from_standard = jaxspec.quantize(target), jaxspec.quantize(_standard(target))
+    for layer, other in zip(quantized.module.layers, from_standard.module.layers):
+        np.testing.assert_array_equal(layer.wo[...], other.wo[...])
+        assert layer.wo[...].dtype == jnp.int8
+    assert not _transposed_names(quantized.module)  # int8 weights keep their own kernel
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    out = jaxspec.generate(target, [[3, 7, 11, 2]], max_new_tokens=6, eos_token_id=[], mesh=mesh)
+    plain = jaxspec.generate(target, [[3, 7, 11, 2]], max_new_tokens=6, eos_token_id=[])
+    np.testing.assert_array_equal(out.sequences, plain.sequences)
