@@ -109,8 +109,9 @@ def main(argv=None) -> None:
                 sys.exit(f"{name} batch {batch}: the layouts decoded different tokens")
             ms = {side: 1e3 * statistics.median(times[side]) for side in SIDES}
             roofline = {side: weight_bytes / (ms[side] / 1e3) / 1e9 / bandwidth for side in SIDES}
-            print(f"| {name} | {batch} | {' | '.join(f'{ms[s]:.1f}' for s in SIDES)} | {ms[SIDES[1]] / ms[SIDES[0]]:.2f}"
-                  f" | {ms[SIDES[2]] / ms[SIDES[0]]:.2f} | {roofline[SIDES[0]]:.2f} | {roofline[SIDES[2]]:.2f} |",
+            print(f"| {name} | {batch} | {' | '.join(f'{ms[s]:.1f}' for s in SIDES)} "
+                  f"| {ms[SIDES[1]] / ms[SIDES[0]]:.2f} | {ms[SIDES[2]] / ms[SIDES[0]]:.2f} "
+                  f"| {roofline[SIDES[0]]:.2f} | {roofline[SIDES[2]]:.2f} |",
                   flush=True)
             rows_out.append({"model": name, "batch": batch, "step_ms": ms, "per_pass_s": times,
                              "roofline": roofline})

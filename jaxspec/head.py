@@ -1,14 +1,14 @@
 """The verifying LM head in the layout XLA:CPU multiplies fastest.
 
-A tied head is the embedding read as [D, V] through a transpose of its [V, D] array. XLA folds that transpose into
-the product, and at one position the product costs the same either way. At the 2-8 positions of a verify block,
-XLA:CPU is slower on the folded [V, D] operand than on a contiguous [D, V] array.
+A tied head is the embedding read as [D, V] through a transpose of its [V, D] array (on a CPU, a `TransposedWeight`
+that the product reads in place: models/int8.py `tied_head`). For one to four rows XLA:CPU multiplies a contiguous
+[D, V] array faster; for five rows or more (a batch of 8, a wide verify block), the embedding read in place.
 
 So on CPU, `generate` hands the loop a contiguous [D, V] copy of a tied head (`verify_head`) and the target's
-verifying forwards use it (`Context.head`). The copy costs a second embedding's memory (V * D params) for as long as
-the model lives and one transpose when it is first made, so it is made once per model and kept. Accelerators choose
-their own layouts and get no copy; neither do untied heads, which are stored [D, V] already (see docs/design.md,
-'Verify widths and the CPU head copy').
+verifying forwards of up to four rows use it (`Context.head`, `for_rows`). The copy costs a second embedding's
+memory (V * D params) for as long as the model lives and one transpose when it is first made, so it is made once
+per model and kept. Accelerators choose their own layouts and get no copy; neither do untied heads, which are
+stored [D, V] already (see docs/design.md, 'Verify widths and the CPU head copy').
 """
 
 from __future__ import annotations

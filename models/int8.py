@@ -8,9 +8,10 @@ assistants'). A drafter's errors cost acceptance, never correctness: the target 
 
 Names: `project(spec, x, w)` is `jnp.einsum(spec, x, w)` for a plain array and the W8A8 product for an
 `Int8Weight`, so model code has one call for both; a `TransposedWeight` (a float weight stored with its contracted
-axes last, as jaxspec lays projections out on a CPU: jaxspec/layout.py) multiplies as the weight it stands for. Specs contract the trailing axes of `x` with leading or trailing
-axes of `w` and share no batch axis between them, as every projection of the model families does. On XLA:CPU,
-`per_row(fn, x, *weights)` runs a row-wise step of 2-4 rows one row at a time, as `project` does for LM heads.
+axes last, as jaxspec lays projections out on a CPU: jaxspec/layout.py) multiplies as the weight it stands for.
+Specs contract the trailing axes of `x` with leading or trailing axes of `w` and share no batch axis between them,
+as every projection of the model families does. On XLA:CPU, `per_row(fn, x, *weights)` runs a row-wise step of 2-4
+rows one row at a time, as `project` does for LM heads.
 """
 
 from __future__ import annotations
@@ -215,9 +216,10 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
 
     The weight is flattened to [O, C] and x to [N, C]. One row is the matrix-vector product w @ x, the weight as the
     left operand: as the right one, XLA would first copy it into [C, O] (its dot canonicalization wants a right
-    operand's contracted axes first). Several rows multiply x by the weight's 2-D transpose, which its matrix
-    multiply reads in place. A spec whose contracted axes are not x's trailing ones in the stored order falls back to
-    an einsum (no model code has one)."""
+    operand's contracted axes first). On XLA:CPU, 2 to PER_ROW_MAX rows take that product one row at a time in a
+    `lax.map` (as `per_row` does; unrolled, the rounds loop compiled 3 s longer still). More rows multiply x by the
+    weight's 2-D transpose, which the matrix multiply reads in place. A spec whose contracted axes are not x's
+    trailing ones in the stored order falls back to an einsum (no model code has one)."""
     x_axes, w_axes, out_axes = _parse(spec, x.ndim)
     stored = w.stored_axes(w_axes)
     contracted = "".join(a for a in stored if a in x_axes and a not in out_axes)
@@ -227,9 +229,10 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
     rows, inner = math.prod(x.shape[: len(free_x)]), math.prod(x.shape[len(free_x):])
     w2 = w.values.reshape(-1, inner)  # [O, C]
     x2 = x.reshape(rows, inner)  # [N, C]
-    if rows == 1 or (jax.default_backend() == "cpu" and rows <= PER_ROW_MAX):
-        out = jnp.stack([jnp.matmul(w2, x2[i], preferred_element_type=preferred_element_type)
-                         for i in range(rows)])  # [N, O]
+    if rows == 1:
+        out = jnp.matmul(w2, x2[0], preferred_element_type=preferred_element_type)[None]  # [1, O]
+    elif jax.default_backend() == "cpu" and rows <= PER_ROW_MAX:
+        out = jax.lax.map(lambda row: jnp.matmul(w2, row, preferred_element_type=preferred_element_type), x2)
     else:
         out = jnp.matmul(x2, w2.T, preferred_element_type=preferred_element_type)  # [N, O]
     out = out.reshape(x.shape[: len(free_x)] + w.values.shape[: len(free_w)])
