@@ -184,8 +184,8 @@ def per_row(fn, x: jax.Array, *weights) -> jax.Array:
     if (jax.default_backend() != "cpu" or not 2 <= rows <= PER_ROW_MAX
             or any(isinstance(w, Int8Weight) for w in weights)):
         return fn(x)
-    out = jax.lax.map(fn, x.reshape(rows, x.shape[-1]))  # [N, F]
-    return out.reshape(x.shape[:-1] + out.shape[1:])
+    out = jax.lax.map(fn, x.reshape(rows, x.shape[-1]))  # [N, F] (each output of fn)
+    return jax.tree.map(lambda part: part.reshape(x.shape[:-1] + part.shape[1:]), out)
 
 
 def _per_row(spec: str, x: jax.Array, w: jax.Array, preferred_element_type) -> jax.Array | None:
