@@ -217,9 +217,9 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
     The weight is flattened to [O, C] and x to [N, C]. One row is the matrix-vector product w @ x, the weight as the
     left operand: as the right one, XLA would first copy it into [C, O] (its dot canonicalization wants a right
     operand's contracted axes first). On XLA:CPU, 2 to PER_ROW_MAX rows take that product one row at a time in a
-    `lax.map` (as `per_row` does; unrolled, the rounds loop compiled 3 s longer still). More rows multiply x by the
-    weight's 2-D transpose, which the matrix multiply reads in place. A spec whose contracted axes are not x's
-    trailing ones in the stored order falls back to an einsum (no model code has one)."""
+    `lax.map` (as `per_row` does; unrolled, the rounds loop compiled longer: docs/design.md, 'Weights on a CPU').
+    More rows multiply x by the weight's 2-D transpose, which the matrix multiply reads in place. A spec whose
+    contracted axes are not x's trailing ones in the stored order falls back to an einsum (no model code has one)."""
     x_axes, w_axes, out_axes = _parse(spec, x.ndim)
     stored = w.stored_axes(w_axes)
     contracted = "".join(a for a in stored if a in x_axes and a not in out_axes)
