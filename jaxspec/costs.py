@@ -49,7 +49,8 @@ CACHE_SIZE = 512  # positions of the cache the timed forwards write (decoding si
 START_POSITION = 200  # where the timed forwards start: attention reads a realistic prefix
 STEPS = 4  # forwards per timed loop (time_forwards)
 ROUNDS = 8  # rounds per timed run of the decoding loop (time_loop)
-RUNS = 3  # timed runs per loop; the fastest counts (the others met a busier machine, or warmed it)
+RUNS = 3  # timed runs of a forward (time_forwards); the fastest counts (the others met a busier machine, or warmed it)
+LOOP_RUNS = 2  # timed runs of each loop configuration (time_loop), after an untimed round that warms it
 MAX_COST_BATCH = 64  # larger batches are priced with costs measured at this many rows
 
 
@@ -145,7 +146,7 @@ def _drafts_timed(drafter) -> tuple[int, ...]:
 
 
 def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int, ...], prefix: str = "",
-              rounds_per_run: int = ROUNDS, runs: int = RUNS) -> dict[str, float]:
+              rounds_per_run: int = ROUNDS, runs: int = LOOP_RUNS) -> dict[str, float]:
     """Milliseconds a round of the compiled loop itself, on the call's own prompts and batch.
 
     - `{prefix}|verify|{w}`: rounds that draft nothing and verify a block of w (the loop's `verify_floor`);
@@ -154,39 +155,44 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
 
     Every run reuses the executables: the prices, the verify floor, the forced length, the EOS tokens (none, so rows
     run their rounds) and the confidence threshold (0, so every forced draft is proposed) are run-time inputs. A run
-    calls the loop for `rounds_per_run` rounds, and for none from a copy of the same prefill: what a call costs
-    besides its rounds (dispatching its arguments, reading its counters back) is the second call's time, and is not
-    charged to the rounds: on a GPU it is milliseconds, enough to inflate a small model's rounds by a third and make
-    every verify width look nearly free beside them (docs/design.md, 'On a GPU'). Of `runs` runs the fastest of
-    each call counts (the first also warms the executable); the configurations take turns."""
+    calls the loop for `rounds_per_run` rounds, and for none: what a call costs besides its rounds (dispatching its
+    arguments, reading its counters back) is the second call's time, and is not charged to the rounds: on a GPU it is
+    milliseconds, enough to inflate a small model's rounds by a third and make every verify width look nearly free
+    beside them (docs/design.md, 'On a GPU'). Of `runs` runs the fastest of each call counts; the configurations take
+    turns.
+
+    The prompts are read once: what a configuration forces is read by the rounds alone (tests/decode/test_costs.py
+    checks that the prefilled states are equal), so every call starts from a copy of one prefilled state. Before the
+    timed runs each configuration runs one untimed round: on XLA:CPU a branch's first execution in a process costs
+    up to a second more (SmolLM2's blocks of 8 and 11 took 1.5 s for 8 rounds the first time, 0.6-0.7 s after)."""
     tokens, prompt_lengths = call.prefill_args[2], call.prefill_args[3]
     room = int(tokens.shape[1]) - int(np.max(np.asarray(prompt_lengths))) - call.spec.drafter.draft_slots - 2
     budget = jnp.full_like(call.prefill_args[4], max(room, 2))
-
-    def one_call(state, timed, max_rounds: int) -> tuple[float, int, float]:
-        """(seconds, rounds run, drafts proposed by the longest row) of one call of the loop from `state`."""
-        start = time.perf_counter()
-        state = rounds(call.target_state, call.assistant_state, state, timed, jnp.asarray(max_rounds, jnp.int32))
-        ran = int(state.counters.rounds)  # waits for the rounds
-        return time.perf_counter() - start, ran, float(np.max(np.asarray(state.counters.drafted)))
-
-    def prefilled(timed):
-        """The state after the prompts' prefill, and a copy of it (the loop takes over the buffers it is given)."""
-        args = call.prefill_args[:4] + (budget,) + call.prefill_args[5:6] + (timed,) + call.prefill_args[7:]
-        state = prefill(*args)
-        return jax.block_until_ready((state, jax.tree.map(jnp.copy, state)))
-
     # The configurations take turns, run after run, so that a machine that slows down or speeds up while they are
     # timed moves all of them alike: timed one after the other, a drift became a false ratio between widths.
     configs = [(0, w) for w in widths] + [(d, 1) for d in drafts]
+    timed = {config: timing_inputs(call.inputs, *config) for config in configs}
+    prefill_args = call.prefill_args[:4] + (budget,) + call.prefill_args[5:6] + (timed[configs[0]],) + \
+        call.prefill_args[7:]
+    prefilled = prefill(*prefill_args)
+
+    def one_call(inputs, max_rounds: int) -> tuple[float, int, float]:
+        """(seconds, rounds run, drafts proposed by the longest row) of one call of the loop from a copy of the
+        prefilled state (the loop takes over the buffers it is given)."""
+        state = jax.block_until_ready(jax.tree.map(jnp.copy, prefilled))
+        start = time.perf_counter()
+        state = rounds(call.target_state, call.assistant_state, state, inputs, jnp.asarray(max_rounds, jnp.int32))
+        ran = int(state.counters.rounds)  # waits for the rounds
+        return time.perf_counter() - start, ran, float(np.max(np.asarray(state.counters.drafted)))
+
+    for config in configs:
+        one_call(timed[config], 1)
     timed_runs = {config: (float("inf"), 0, 0.0) for config in configs}
     call_seconds = float("inf")  # a call that runs no round
     for _ in range(runs):
         for config in configs:
-            timed = timing_inputs(call.inputs, *config)
-            state, copy = prefilled(timed)
-            timed_runs[config] = min(timed_runs[config], one_call(state, timed, rounds_per_run))
-            call_seconds = min(call_seconds, one_call(copy, timed, 0)[0])
+            timed_runs[config] = min(timed_runs[config], one_call(timed[config], rounds_per_run))
+            call_seconds = min(call_seconds, one_call(timed[config], 0)[0])
 
     def per_round(config) -> tuple[float, float]:
         """(milliseconds a round, drafts a round of the longest row)."""

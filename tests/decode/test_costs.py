@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -58,6 +59,11 @@ def _stored_parts(folder) -> dict[str, float]:
     return {key.split("|loop|")[1].split("|", 1)[1]: ms for key, ms in stored.items()}
 
 
+def _host(leaf) -> np.ndarray:
+    """A state's leaf as numbers to compare (a PRNG key as its key data)."""
+    return np.asarray(jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf)
+
+
 def test_a_round_is_timed_without_what_a_call_costs_besides_its_rounds(monkeypatch):
     """time_loop subtracts the time of a call that runs no round from a call of ROUNDS rounds: a fixed cost per
     call (dispatch, reading the counters back; several ms on a GPU) is not spread over the rounds. A fake loop whose
@@ -106,7 +112,7 @@ def test_prices_are_timed_in_the_compiled_loop_once_per_machine(measuring, pair,
     assert len(timings) == 1
     # Every verify width with no drafts, then 1 and K drafts: the configurations take turns, run after run, so that
     # a machine that drifts while they are timed moves them all alike.
-    assert forced == [(0, 1), (0, 2), (0, 4), (0, 5), (1, 1), (4, 1)] * costs.RUNS
+    assert forced == [(0, 1), (0, 2), (0, 4), (0, 5), (1, 1), (4, 1)]
     parts = _stored_parts(measuring)
     # Every width of the loop's (1, 2, 4, 5): on a CPU a block's cost is not linear in its width, so none is
     # interpolated; a draft and a drafting round's fixed work.
@@ -125,6 +131,27 @@ def test_prices_are_timed_in_the_compiled_loop_once_per_machine(measuring, pair,
     again = jaxspec.generate(target, IDS, max_new_tokens=12, assistant_model=assistant, num_assistant_tokens=4)
     np.testing.assert_array_equal(again.sequences, plain.sequences)
     assert priced[1][0].on_host() == prices.on_host()
+
+
+def test_one_prefill_serves_every_timed_configuration(measuring, pair, monkeypatch):
+    """time_loop reads the prompts once and starts every timed call from a copy of that state. That holds because
+    what a configuration forces (the drafts of every round, the narrowest verify block) is read by the rounds alone:
+    the states the prefill gives under each configuration's inputs are equal, leaf by leaf."""
+    target, assistant = pair
+    checked, real = [], costs.time_loop
+
+    def checking(call, prefill, rounds, widths, drafts, prefix="", **kwargs):
+        configs = [(0, w) for w in widths] + [(d, 1) for d in drafts]
+        states = [prefill(*call.prefill_args[:6], costs.timing_inputs(call.inputs, *config), *call.prefill_args[7:])
+                  for config in configs]
+        for state in states[1:]:
+            jax.tree.map(np.testing.assert_array_equal, *(jax.tree.map(_host, s) for s in (states[0], state)))
+        checked.append(configs)
+        return real(call, prefill, rounds, widths, drafts, prefix, **kwargs)
+
+    monkeypatch.setattr(costs, "time_loop", checking)
+    jaxspec.generate(target, IDS, max_new_tokens=12, assistant_model=assistant, num_assistant_tokens=4)
+    assert checked == [[(0, 1), (0, 2), (0, 4), (0, 5), (1, 1), (4, 1)]]
 
 
 def test_forced_rounds_and_verify_floors_keep_greedy_output(pair):
