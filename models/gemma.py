@@ -614,6 +614,12 @@ def _layer_call(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, slot
                           inv_freq, tree)
 
 
+def _projections(p, names: tuple[str, ...], h: jax.Array) -> tuple[jax.Array, ...]:
+    """h [..., D] by each named [D, N, Dh] weight -> [..., N, Dh] each (queries, and keys and values where the layer
+    computes its own); one `per_row` step, so a verify block of 2-4 rows on a CPU runs them in one loop."""
+    return tuple(I.project("...d,dhk->...hk", h, p[name]) for name in names)
+
+
 def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, slot, layer_type: str,
                    computes_kv: bool, value_proj: bool, inv_freq, tree=None):
     """One Gemma block: norm -> attention -> norm, residual; norm -> MLP -> norm, residual; then Gemma 4's per-layer
@@ -626,14 +632,15 @@ def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, s
     kind = cfg.sliding if layer_type == SLIDING else cfg.full
 
     h = L.gemma_rms_norm(x, p["attn_norm"], eps, offset)
-    q = I.project("btd,dhk->bthk", h, p["wq"])  # [B, T, H, Dh]
+    names = ("wq",) + ((("wk", "wv") if value_proj else ("wk",)) if computes_kv else ())
+    q, *kv = I.per_row(functools.partial(_projections, p, names), h, *(p[name] for name in names))  # [B, T, H, Dh]
     if cfg.qk_norm:
         q = L.gemma_rms_norm(q, p["q_norm"], eps, offset)
     q = L.apply_rope(q, positions, inv_freq)
     stack = stacks[layer_type]
     if computes_kv:
-        k = I.project("btd,dhk->bthk", h, p["wk"])  # [B, T, K, Dh]
-        v = I.project("btd,dhk->bthk", h, p["wv"]) if value_proj else k  # k_eq_v: raw keys
+        k = kv[0]  # [B, T, K, Dh]
+        v = kv[1] if value_proj else k  # k_eq_v: raw keys
         if cfg.qk_norm:
             k = L.gemma_rms_norm(k, p["k_norm"], eps, offset)
         if cfg.v_norm:
