@@ -9,7 +9,9 @@ Three sides share one loaded model (float32):
 - `[out, in]`: the model as `jaxspec.load` returns it;
 - `[in, out]`: its projections put back in the model code's layout (`jaxspec.layout.standard_layout`);
 - `[in, out], copy`: that, with the verifying forwards multiplying by the CPU head copy at every block size, as
-  before the copy was kept to blocks of up to 4 rows (`jaxspec.head.COPY_MAX_ROWS`): the layout before both changes.
+  before the copy was kept to blocks of up to 4 rows (`jaxspec.head.COPY_MAX_ROWS`): the layout before both changes;
+- `matrix head`: the model as loaded, its tied head multiplied by matrix products at every row count (the copy's up
+  to 4 rows), as before 3-32 rows took an elementwise product and a sum (models/int8.py, `_multiply_reduce`).
 
 Per model and batch size (rows from benchmarks/bench.py's prompts, ragged), each side decodes `--new-tokens` tokens
 with no end-of-sequence stop. A step is one target forward: (decode seconds - prefill seconds) / (new tokens - 1),
@@ -28,7 +30,7 @@ import sys
 
 from _record import Record, add_results_argument
 
-SIDES = ("[out, in]", "[in, out]", "[in, out], copy")
+SIDES = ("[out, in]", "[in, out]", "[in, out], copy", "matrix head")
 BANDWIDTH_MB = 512
 
 
@@ -38,10 +40,13 @@ def twins(model, copy_rows: int) -> dict:
     from flax import nnx
 
     from jaxspec.layout import standard_layout
+    from jaxspec.models import int8 as I
 
     graphdef, state = nnx.split(model.module)
     standard = dataclasses.replace(model, module=nnx.merge(graphdef, standard_layout(state)))
-    return {SIDES[0]: (model, copy_rows), SIDES[1]: (standard, copy_rows), SIDES[2]: (standard, 1 << 30)}
+    reduce_from = I.MULTIPLY_REDUCE_MIN_ROWS
+    return {SIDES[0]: (model, copy_rows, reduce_from), SIDES[1]: (standard, copy_rows, reduce_from),
+            SIDES[2]: (standard, 1 << 30, 1 << 30), SIDES[3]: (model, 4, 1 << 30)}
 
 
 def step_seconds(model, rows, new_tokens: int, repeats: int) -> tuple[float, list]:
@@ -74,8 +79,9 @@ def main(argv=None) -> None:
     from _bench_prompts import PROMPTS
     from _bench_timing import measure_read_bandwidth
     from jaxspec import head, loop
+    from jaxspec.models import int8 as I
 
-    copy_rows = head.COPY_MAX_ROWS
+    copy_rows, reduce_from = head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS
     bandwidth = measure_read_bandwidth(BANDWIDTH_MB)
     models = args.models.split(",")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -83,8 +89,8 @@ def main(argv=None) -> None:
     print(f"read bandwidth {bandwidth:.1f} GB/s; step ms, median of {args.repeats} calls, median over "
           f"{args.passes} passes")
     print(f"| model | batch | {' | '.join(f'{s} ms' for s in SIDES)} | {SIDES[1]} / {SIDES[0]} "
-          f"| {SIDES[2]} / {SIDES[0]} | roofline {SIDES[0]} | roofline {SIDES[2]} |")
-    print("|---|---:|" + "---:|" * (len(SIDES) + 4))
+          f"| {SIDES[2]} / {SIDES[0]} | {SIDES[3]} / {SIDES[0]} | roofline {SIDES[0]} | roofline {SIDES[2]} |")
+    print("|---|---:|" + "---:|" * (len(SIDES) + 5))
     for name in models:
         model = jaxspec.load(name)
         _, weight_bytes = weight_bytes_per_token(model.module)
@@ -96,14 +102,14 @@ def main(argv=None) -> None:
             tokens = {}
             sides = twins(model, copy_rows)
             for _ in range(args.passes):
-                for side, (twin, side_copy_rows) in sides.items():
-                    head.COPY_MAX_ROWS = side_copy_rows
-                    jax.clear_caches()  # the head rule is read while tracing
+                for side, (twin, side_copy_rows, side_reduce_from) in sides.items():
+                    head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS = side_copy_rows, side_reduce_from
+                    jax.clear_caches()  # the head rules are read while tracing
                     loop._compiled.clear()
                     seconds, sequences = step_seconds(twin, rows, args.new_tokens, args.repeats)
                     times[side].append(seconds)
                     tokens.setdefault(side, sequences)
-            head.COPY_MAX_ROWS = copy_rows
+            head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS = copy_rows, reduce_from
             del sides
             if any(tokens[side] != tokens[SIDES[0]] for side in SIDES):
                 sys.exit(f"{name} batch {batch}: the layouts decoded different tokens")
@@ -111,6 +117,7 @@ def main(argv=None) -> None:
             roofline = {side: weight_bytes / (ms[side] / 1e3) / 1e9 / bandwidth for side in SIDES}
             print(f"| {name} | {batch} | {' | '.join(f'{ms[s]:.1f}' for s in SIDES)} "
                   f"| {ms[SIDES[1]] / ms[SIDES[0]]:.2f} | {ms[SIDES[2]] / ms[SIDES[0]]:.2f} "
+                  f"| {ms[SIDES[3]] / ms[SIDES[0]]:.2f} "
                   f"| {roofline[SIDES[0]]:.2f} | {roofline[SIDES[2]]:.2f} |",
                   flush=True)
             rows_out.append({"model": name, "batch": batch, "step_ms": ms, "per_pass_s": times,

@@ -1,11 +1,12 @@
 """The verifying LM head in the layout XLA:CPU multiplies fastest.
 
 A tied head is the embedding read as [D, V] through a transpose of its [V, D] array (on a CPU, a `TransposedWeight`
-that the product reads in place: models/int8.py `tied_head`). For one to four rows XLA:CPU multiplies a contiguous
-[D, V] array faster; for five rows or more (a batch of 8, a wide verify block), the embedding read in place.
+that the product reads in place: models/int8.py `tied_head`). For two rows XLA:CPU multiplies a contiguous [D, V]
+array fastest, row by row; from 3 to 32 rows (a wide verify block, a batch of 8) the embedding read in place as an
+elementwise product and a sum (`_multiply_reduce`), and beyond that by its matrix multiply in place.
 
 So on CPU, `generate` hands the loop a contiguous [D, V] copy of a tied head (`verify_head`) and the target's
-verifying forwards of up to four rows use it (`Context.head`, `for_rows`). The copy costs a second embedding's
+verifying forwards of up to two rows use it (`Context.head`, `for_rows`). The copy costs a second embedding's
 memory (V * D params) for as long as the model lives and one transpose when it is first made, so it is made once
 per model and kept. Accelerators choose their own layouts and get no copy; neither do untied heads, which are
 stored [D, V] already (see docs/design.md, 'Verify widths and the CPU head copy').
@@ -17,7 +18,7 @@ import jax
 from jax.sharding import Mesh
 
 from .loading import Model
-from .models.int8 import PER_ROW_MAX, SCALE_SUFFIX
+from .models.int8 import MULTIPLY_REDUCE_MIN_ROWS, SCALE_SUFFIX
 
 _transpose = jax.jit(lambda matrix: matrix.T)
 
@@ -34,12 +35,12 @@ def wants_contiguous_head(model: Model) -> bool:
     return all(device.platform == "cpu" for device in model.module.embed[...].devices())
 
 
-COPY_MAX_ROWS = PER_ROW_MAX  # the most rows (batch x block width) a forward multiplies by the copy
+COPY_MAX_ROWS = MULTIPLY_REDUCE_MIN_ROWS - 1  # the most rows (batch x block width) a forward multiplies by the copy
 
 
 def for_rows(head: jax.Array | None, rows: int) -> jax.Array | None:
     """The verify copy for a forward over `rows` rows (batch x block width), or None where the model's own head
-    multiplies faster: XLA:CPU runs 5 rows or more faster against the tied embedding read in place (figures:
+    multiplies faster: XLA:CPU runs 3 rows or more faster against the tied embedding read in place (figures:
     docs/design.md, 'Weights on a CPU')."""
     return head if rows <= COPY_MAX_ROWS else None
 

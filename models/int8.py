@@ -53,6 +53,8 @@ class TransposedWeight:
 
     values: jax.Array  # the weight transposed by `perm`
     perm: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # stored axis i is logical axis perm[i]
+    # A tied LM head (`tied_head`): its few-row products take `_multiply_reduce`, measured faster for heads only
+    is_head: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def __getitem__(self, key):
         """`param[...]`, as nnx reads a Variable's value: the weight itself (only `...` is meaningful)."""
@@ -93,7 +95,7 @@ def tied_head(embed):
     matrix-vector product embed @ h, the embedding read in place), elsewhere the transposed view XLA folds in."""
     if isinstance(embed, Int8Weight) or jax.default_backend() != "cpu":
         return embed.T
-    return TransposedWeight(embed, (1, 0))
+    return TransposedWeight(embed, (1, 0), is_head=True)
 
 
 def logical(w):
@@ -167,6 +169,10 @@ def project(spec: str, x: jax.Array, w, preferred_element_type=None) -> jax.Arra
 
 PER_ROW_MAX = 4  # the most rows `per_row` splits: at 8, one matrix product costs less than 8 row products
 PER_ROW_MIN_WEIGHT = 1 << 23  # elements: `project` splits its rows itself for weights this large (LM heads)
+# Rows a tied head of PER_ROW_MIN_WEIGHT elements or more multiplies as an elementwise product and a sum
+# (`_multiply_reduce`): from 3 rows it beats the copy's row products, up to about 48 the matrix multiply in place.
+# A layer's [O, C] weight of that size (a 1.5B model's MLP) is multiplied faster by its matrix products.
+MULTIPLY_REDUCE_MIN_ROWS, MULTIPLY_REDUCE_MAX_ROWS = 3, 32
 
 
 def per_row(fn, x: jax.Array, *weights) -> jax.Array:
@@ -218,8 +224,10 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
     left operand: as the right one, XLA would first copy it into [C, O] (its dot canonicalization wants a right
     operand's contracted axes first). On XLA:CPU, 2 to PER_ROW_MAX rows take that product one row at a time in a
     `lax.map` (as `per_row` does; unrolled, the rounds loop compiled longer: docs/design.md, 'Weights on a CPU').
-    More rows multiply x by the weight's 2-D transpose, which the matrix multiply reads in place. A spec whose
-    contracted axes are not x's trailing ones in the stored order falls back to an einsum (no model code has one)."""
+    More rows multiply x by the weight's 2-D transpose, which the matrix multiply reads in place. A tied LM head
+    (`tied_head`) of PER_ROW_MIN_WEIGHT elements or more takes `_multiply_reduce` from 3 to 32 rows instead. A spec
+    whose contracted axes are not x's trailing ones in the stored order falls back to an einsum (no model code has
+    one)."""
     x_axes, w_axes, out_axes = _parse(spec, x.ndim)
     stored = w.stored_axes(w_axes)
     contracted = "".join(a for a in stored if a in x_axes and a not in out_axes)
@@ -229,14 +237,32 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
     rows, inner = math.prod(x.shape[: len(free_x)]), math.prod(x.shape[len(free_x):])
     w2 = w.values.reshape(-1, inner)  # [O, C]
     x2 = x.reshape(rows, inner)  # [N, C]
+    cpu = jax.default_backend() == "cpu"
     if rows == 1:
         out = jnp.matmul(w2, x2[0], preferred_element_type=preferred_element_type)[None]  # [1, O]
-    elif jax.default_backend() == "cpu" and rows <= PER_ROW_MAX:
+    elif (cpu and w.is_head and w2.size >= PER_ROW_MIN_WEIGHT
+          and MULTIPLY_REDUCE_MIN_ROWS <= rows <= MULTIPLY_REDUCE_MAX_ROWS):
+        out = _multiply_reduce(x2, w2, preferred_element_type)
+    elif cpu and rows <= PER_ROW_MAX:
         out = jax.lax.map(lambda row: jnp.matmul(w2, row, preferred_element_type=preferred_element_type), x2)
     else:
         out = jnp.matmul(x2, w2.T, preferred_element_type=preferred_element_type)  # [N, O]
     out = out.reshape(x.shape[: len(free_x)] + w.values.shape[: len(free_w)])
     return jnp.transpose(out, [(free_x + free_w).index(a) for a in out_axes])
+
+
+def _multiply_reduce(x2: jax.Array, w2: jax.Array, preferred_element_type) -> jax.Array:
+    """x2 [N, C] by w2 [O, C] -> [N, O], as one elementwise product summed over C in [O, N, C] order.
+
+    For a tied LM head read in place ([V, D]) and 3 to 32 rows, XLA:CPU fuses this into one pass that reads each
+    embedding row once for all N rows, where its matrix multiply of a few rows streams the head 1.5-2x more slowly
+    (figures: docs/design.md, 'Weights on a CPU'). Beyond 4 rows, x2 is padded with zero rows to a multiple of 8,
+    which XLA:CPU vectorizes better (SmolLM2's head, 11 rows: 12.7 ms unpadded, 10.0 padded to 16)."""
+    rows = x2.shape[0]
+    padded = rows if rows <= 4 else -(-rows // 8) * 8
+    x2 = jnp.pad(x2, ((0, padded - rows), (0, 0)))
+    dtype = preferred_element_type or jnp.result_type(x2, w2)
+    return jnp.sum(w2[:, None, :].astype(dtype) * x2[None, :, :].astype(dtype), axis=-1).T[:rows]  # [N, O]
 
 
 def _with_unit_axis(x: jax.Array, x_axes: str, w_axes: str, out_axes: str, contracted: list[str]):

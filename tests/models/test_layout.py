@@ -51,11 +51,31 @@ def test_a_tied_head_is_the_embedding_read_in_place():
     np.testing.assert_allclose(I.project("...d,dv->...v", hidden, head), hidden @ embed.T, rtol=1e-5, atol=1e-5)
 
 
-def test_the_head_copy_serves_blocks_of_up_to_four_rows():
+def test_the_head_copy_serves_blocks_of_up_to_two_rows():
     copy = jnp.zeros((16, 50))
-    assert COPY_MAX_ROWS == I.PER_ROW_MAX == 4
-    assert all(for_rows(copy, rows) is copy for rows in (1, 2, 4))
-    assert for_rows(copy, 5) is None and for_rows(copy, 8) is None and for_rows(None, 1) is None
+    assert COPY_MAX_ROWS == I.MULTIPLY_REDUCE_MIN_ROWS - 1 == 2
+    assert all(for_rows(copy, rows) is copy for rows in (1, 2))
+    assert for_rows(copy, 3) is None and for_rows(copy, 8) is None and for_rows(None, 1) is None
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 11, 32, 33])
+def test_a_head_sized_weight_in_place_takes_the_multiply_reduce_from_3_to_32_rows(rows):
+    """A tied head of PER_ROW_MIN_WEIGHT elements or more, read in place, is multiplied as an elementwise product
+    and a sum from 3 to 32 rows (beyond 4 padded to a multiple of 8), by matrix products at 2 and 33; all equal the
+    einsum. A layer's weight of that size is not a head, and keeps its matrix products."""
+    dim = 64
+    embed = jax.random.normal(jax.random.PRNGKey(0), (I.PER_ROW_MIN_WEIGHT // dim + 8, dim))  # [V, D]
+    hidden = jax.random.normal(jax.random.PRNGKey(rows), (1, rows, dim))
+    head = I.tied_head(embed)
+    logits = I.project("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(logits, hidden @ embed.T, rtol=1e-4, atol=1e-4)
+    primitives = str(jax.make_jaxpr(lambda h, e: I.project("...d,dv->...v", h, I.tied_head(e)))(hidden, embed))
+    reduced = I.MULTIPLY_REDUCE_MIN_ROWS <= rows <= I.MULTIPLY_REDUCE_MAX_ROWS
+    assert ("reduce_sum" in primitives, "dot_general" in primitives) == (reduced, not reduced)
+    # A layer's weight of the same size keeps its matrix products (faster for those shapes).
+    layer = I.contracted_last(embed.T, (0,))  # [D, V] stored [V, D], as a projection's
+    primitives = str(jax.make_jaxpr(lambda h, w: I.project("...d,dv->...v", h, w))(hidden, layer))
+    assert "reduce_sum" not in primitives and "dot_general" in primitives
 
 
 def _standard(model):
