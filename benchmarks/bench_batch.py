@@ -1,6 +1,6 @@
 """Every strategy against plain decoding of the same batch, at batch 1, 8 and 32: one table, measured side by side.
 
-    python benchmarks/bench_batch.py [--model smollm2-135m] [--strategies prompt_lookup,early_exit,mtp]
+    python benchmarks/bench_batch.py [--model smollm2-135m] [--strategies prompt_lookup,early_exit,mtp,dflash,eagle3]
         [--batch-sizes 1,8,32] [--kinds copy,free] [--max-new-tokens 48] [--passes 3]
 
 The promise is "never slower than plain decoding": in the engines users compare jaxspec with, a drafter that gains at
@@ -25,8 +25,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 COPY_PROMPTS = (
     'Rewrite this function so that it returns a list instead of printing:\ndef evens(n):\n    for i in range(n):\n'
     '        if i % 2 == 0:\n            print(i)',
@@ -48,6 +46,9 @@ STRATEGY_KWARGS = {
     "prompt_lookup": dict(prompt_lookup_num_tokens=10),
     "early_exit": None,  # assistant_early_exit: half the target's layers (set in main)
     "mtp": dict(use_mtp=True),
+    # The drafters jaxspec ships for SmolLM2 (catalogue names, loaded in main)
+    "dflash": dict(assistant_model="smollm2-135m-dflash"),
+    "eagle3": dict(assistant_model="smollm2-135m-eagle3"),
 }
 
 
@@ -113,7 +114,10 @@ def main(argv=None) -> int:
     for name in args.strategies.split(","):
         if name not in STRATEGY_KWARGS:
             parser.error(f"--strategies: {name!r} is not one of {', '.join(STRATEGY_KWARGS)}")
-        strategies[name] = STRATEGY_KWARGS[name] or dict(assistant_early_exit=model.config.num_layers // 2)
+        kwargs = dict(STRATEGY_KWARGS[name] or dict(assistant_early_exit=model.config.num_layers // 2))
+        if isinstance(kwargs.get("assistant_model"), str):
+            kwargs["assistant_model"] = jaxspec.load(kwargs["assistant_model"])
+        strategies[name] = kwargs
     started = time.perf_counter()
     print(f"{args.model}, {args.max_new_tokens} new tokens, {args.passes} timed passes; speedup over plain decoding "
           "of the same batch (median, range), the cost model's expectation, acceptance, tokens per round\n")
