@@ -99,7 +99,7 @@ def _rows_drafting(out) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--strategies", default="prompt_lookup,early_exit,mtp")
+    parser.add_argument("--strategies", default="prompt_lookup,early_exit,mtp,dflash,eagle3")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--kinds", default="copy,free")
     parser.add_argument("--max-new-tokens", type=int, default=48)
