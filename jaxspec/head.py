@@ -1,7 +1,7 @@
 """The verifying LM head in the layout XLA:CPU multiplies fastest.
 
 A tied head is the embedding read as [D, V] through a transpose of its [V, D] array (on a CPU, a `TransposedWeight`
-that the product reads in place: models/int8.py `tied_head`). For two rows XLA:CPU multiplies a contiguous [D, V]
+that the product reads in place: models/int8.py `tied_head`). For one or two rows XLA:CPU multiplies a contiguous [D, V]
 array fastest, row by row; from 3 to 32 rows (a wide verify block, a batch of 8) the embedding read in place as an
 elementwise product and a sum (`_multiply_reduce`), and beyond that by its matrix multiply in place.
 
