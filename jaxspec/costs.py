@@ -164,7 +164,7 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
     The prompts are read once: what a configuration forces is read by the rounds alone (tests/decode/test_costs.py
     checks that the prefilled states are equal), so every call starts from a copy of one prefilled state. Before the
     timed runs each configuration runs one untimed round: on XLA:CPU a branch's first execution in a process costs
-    up to a second more (SmolLM2's blocks of 8 and 11 took 1.5 s for 8 rounds the first time, 0.6-0.7 s after)."""
+    more, most for the widest blocks (figures: docs/design.md, 'Step costs measured on the machine')."""
     tokens, prompt_lengths = call.prefill_args[2], call.prefill_args[3]
     room = int(tokens.shape[1]) - int(np.max(np.asarray(prompt_lengths))) - call.spec.drafter.draft_slots - 2
     budget = jnp.full_like(call.prefill_args[4], max(room, 2))

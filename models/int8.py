@@ -255,9 +255,9 @@ def _multiply_reduce(x2: jax.Array, w2: jax.Array, preferred_element_type) -> ja
     """x2 [N, C] by w2 [O, C] -> [N, O], as one elementwise product summed over C in [O, N, C] order.
 
     For a tied LM head read in place ([V, D]) and 3 to 32 rows, XLA:CPU fuses this into one pass that reads each
-    embedding row once for all N rows, where its matrix multiply of a few rows streams the head 1.5-2x more slowly
-    (figures: docs/design.md, 'Weights on a CPU'). Beyond 4 rows, x2 is padded with zero rows to a multiple of 8,
-    which XLA:CPU vectorizes better (SmolLM2's head, 11 rows: 12.7 ms unpadded, 10.0 padded to 16)."""
+    embedding row once for all N rows, where its matrix multiply of a few rows streams the head more slowly. Beyond 4
+    rows, x2 is padded with zero rows to a multiple of 8, which XLA:CPU vectorizes better (figures for both:
+    docs/design.md, 'A head by 3-32 rows')."""
     rows = x2.shape[0]
     padded = rows if rows <= 4 else -(-rows // 8) * 8
     x2 = jnp.pad(x2, ((0, padded - rows), (0, 0)))
