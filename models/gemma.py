@@ -632,7 +632,8 @@ def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, s
     kind = cfg.sliding if layer_type == SLIDING else cfg.full
 
     h = L.gemma_rms_norm(x, p["attn_norm"], eps, offset)
-    names = ("wq",) + ((("wk", "wv") if value_proj else ("wk",)) if computes_kv else ())
+    own_kv = ("wk", "wv") if value_proj else ("wk",)  # k_eq_v: no value projection
+    names = ("wq",) + (own_kv if computes_kv else ())  # a layer sharing another's keys projects queries only
     q, *kv = I.per_row(functools.partial(_projections, p, names), h, *(p[name] for name in names))  # [B, T, H, Dh]
     if cfg.qk_norm:
         q = L.gemma_rms_norm(q, p["q_norm"], eps, offset)
