@@ -14,12 +14,13 @@ A drafter with a `tree` shape proposes a `DraftTree` (`Draft.of_tree`) of up to 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import inplace
 from ..cache import KVCache
 from ..head import for_rows
 from ..model_interface import CausalLM
@@ -278,3 +279,20 @@ class Drafter:
 def room_for_drafts(loop: DecodeState) -> jax.Array:
     """[B] drafts a row can still use: never more than its budget allows after the target's own token."""
     return jnp.where(loop.done, 0, jnp.maximum(loop.budget_end - loop.lengths - 1, 0))
+
+
+def write_committed(drafter: Drafter, result: RoundResult, positions: jax.Array,
+                    write: Callable[[jax.Array, jax.Array, Any], Any], state: Any) -> Any:
+    """`write(features, positions, state) -> state` over the round's first W slots only: W the narrowest chain
+    verify width (`schedule.verify_widths`) that holds every row's committed tokens, chosen at run time.
+
+    result.features [B, K+1, F*D], positions [B, K+1] (a slot a row did not commit already points past the buffer).
+    A drafter that projects the committed tokens' features into its own cache (DFlash, EAGLE-3) would otherwise run
+    that projection over all K+1 slots every round: a round that verified one token, the plain step every row
+    takes where drafts do not pay, then cost a K+1-wide projection more than a plain step, a cost the schedule's
+    prices did not hold (docs/design.md, 'The trained heads in batches')."""
+    widths = verify_widths(drafter.max_draft)  # committed <= K + 1 = widths[-1], a tree's too (K is its depth)
+    index = jnp.sum(jnp.asarray(widths) < jnp.max(result.committed))  # the narrowest width >= every row's commit
+    branches = [lambda s, w=w: (write(result.features[:, :w], positions[:, :w], s), ()) for w in widths]
+    state, _ = inplace.switch(index, branches, state)
+    return state

@@ -28,6 +28,7 @@ every round makes the head indifferent to which branch was committed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -47,6 +48,7 @@ from .base import (
     PrefillChunk,
     RoundResult,
     room_for_drafts,
+    write_committed,
 )
 from .spec import (
     ASSISTANT_ENSEMBLE_WEIGHT,
@@ -98,15 +100,16 @@ class Eagle3Drafter(Drafter):
         """Only g is stored: an entry needs the token after it, which the next chunk or the first generated token
         brings. The first drafting round catches the prompt's entries up."""
         positions = jnp.where(chunk.valid, chunk.positions, state.features.shape[1])  # padding: dropped
-        return dataclasses.replace(state, features=self._write_features(ctx, state.features, chunk.features,
-                                                                        positions))
+        return dataclasses.replace(state, features=self._write_features(ctx, chunk.features, positions,
+                                                                        state.features))
 
     def update(self, ctx: Context, state: Eagle3State, result: RoundResult) -> Eagle3State:
         """g of the committed tokens: slot j of the round sits at lengths - committed - 1 + j."""
         slots = jnp.arange(result.features.shape[1])[None, :]
         first = result.lengths - result.committed - 1
         positions = jnp.where(slots < result.committed[:, None], first[:, None] + slots, state.features.shape[1])
-        features = self._write_features(ctx, state.features, result.features, positions)
+        features = write_committed(self, result, positions, functools.partial(self._write_features, ctx),
+                                   state.features)
         return dataclasses.replace(state, features=features,
                                    length=self.schedule.update(state.length, result, self.max_draft))
 
@@ -207,8 +210,9 @@ class Eagle3Drafter(Drafter):
         cache, _, blocks = jax.lax.while_loop(behind, block, (cache, synced, jnp.zeros((), jnp.int32)))
         return cache, blocks
 
-    def _write_features(self, ctx: Context, buffer, taps, positions):
-        """taps [B, T, 3 D_t] (the tapped layers, sorted) -> buffer [B, S, D] with g written at positions [B, T]."""
+    def _write_features(self, ctx: Context, taps, positions, buffer):
+        """taps [B, T, 3 D_t] (the tapped layers, sorted) at positions [B, T] -> buffer [B, S, D] with g written
+        there."""
         width = ctx.target.cfg.hidden_size
         by_layer = {layer: taps[..., i * width:(i + 1) * width] for i, layer in enumerate(self.feature_layers)}
         g = ctx.assistant.project_features(jnp.concatenate([by_layer[layer] for layer in self.context_layers], -1))
