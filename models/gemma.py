@@ -303,7 +303,6 @@ _GEMMA4_OVERRIDES = ("head_dim", "num_key_value_heads")
 def _gemma4_fields(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("enable_moe_block"):
         raise NotImplementedError("Gemma 4 MoE blocks (enable_moe_block=True) are not supported yet.")
-    num_layers = hf["num_hidden_layers"]
     layer_types = list(_layer_types(hf, default_pattern=6))
     layer_types[-1] = FULL  # HF forces the last layer global (with a warning)
     head_dim = hf.get("head_dim", 256)
@@ -560,7 +559,7 @@ class GemmaForCausalLM(nnx.Module):
         """LM head over final-normed hidden states, then the final soft-cap if any: [..., D] -> [..., V] float32.
         `head`: the [D, V] head where the caller holds it in another layout (`jaxspec.head.verify_head`)."""
         if head is None:  # a tied head on a CPU: the embedding read in place (int8.tied_head)
-            head = I.tied_head(I.weight(self, "embed")) if self.cfg.tie_word_embeddings else I.weight(self, "lm_head")
+            head = I.head_weight(self)
         logits = I.project("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
         return L.soft_cap(logits, self.cfg.final_softcap)
 

@@ -90,6 +90,12 @@ def contracted_last(w: jax.Array, contracted: tuple[int, ...]) -> TransposedWeig
     return TransposedWeight(jnp.transpose(w, perm), perm)
 
 
+def head_weight(module):
+    """A causal LM's [D, V] head as `project` reads it fastest: a tied head is the embedding through `tied_head`
+    (read in place on XLA:CPU), an untied head its own weight."""
+    return tied_head(weight(module, "embed")) if module.cfg.tie_word_embeddings else weight(module, "lm_head")
+
+
 def tied_head(embed):
     """A tied [V, D] embedding as the [D, V] head: on XLA:CPU a `TransposedWeight` (a row's logits are then the
     matrix-vector product embed @ h, the embedding read in place), elsewhere the transposed view XLA folds in."""

@@ -281,7 +281,7 @@ class LlamaForCausalLM(nnx.Module):
         """LM head over final-normed hidden states: [..., D] -> [..., V], always float32. `head`: the [D, V] head
         where the caller holds it in another layout (`jaxspec.head.verify_head`), else this model's own."""
         if head is None:  # a tied head on a CPU: the embedding read in place (int8.tied_head)
-            head = I.tied_head(I.weight(self, "embed")) if self.cfg.tie_word_embeddings else I.weight(self, "lm_head")
+            head = I.head_weight(self)
         return I.project("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
 
     def head_matrix(self) -> jax.Array:

@@ -23,6 +23,7 @@ forward whatever its length (`Schedule.round_cost`), and a verify block of each 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -31,9 +32,11 @@ import numpy as np
 
 from ..costs import weight_bytes
 from ..head import for_rows
-from ..schedule import DraftLength, Schedule, make_schedule
+from ..models import int8 as I
+from ..schedule import DraftLength, Schedule, make_schedule, verify_widths
 from ..tree import candidate_weights, draw_candidates, sibling_tree
-from .base import Context, DecodeState, Draft, Drafter, DraftStep, PrefillChunk, RoundResult, room_for_drafts
+from .base import (Context, DecodeState, Draft, Drafter, DraftStep, PrefillChunk, RoundResult, room_for_drafts,
+                   write_committed)
 from .spec import (ASSISTANT_ENSEMBLE_WEIGHT, ASSISTANT_MODEL, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE,
                    TREE, BuildRequest, Option, Strategy, StrategyChoice, check_positive_int, schedule_kind,
                    tree_pricing, tree_shape)
@@ -69,19 +72,28 @@ class BlockDrafter(Drafter):
 
     def draft(self, ctx: Context, loop: DecodeState, state: BlockState, rng: jax.Array) -> DraftStep:
         limit = jnp.minimum(self.schedule.allowed(state.length, ~loop.done), room_for_drafts(loop))  # [B]
-
         branches, selects = self.branches, self.selects  # a tree's siblings per depth; keeping the N most probable
+        batch, vocab, k = loop.lengths.shape[0], ctx.target.cfg.vocab_size, self.max_draft
 
-        def run(_):
-            return self._draft_block(ctx, loop, state.cache, rng, branches, selects), jnp.ones((), jnp.int32)
+        def padded(tokens, probs, weights):  # [B, n, ...] -> [B, K, ...], zero past the n drafts drawn
+            def pad(x):
+                return None if x is None else jnp.pad(x, ((0, 0), (0, k - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+            return pad(tokens), pad(probs), pad(weights)
 
-        def skip(_):
-            batch, vocab = loop.lengths.shape[0], ctx.target.cfg.vocab_size
-            probs = jnp.zeros((batch, self.max_draft, branches, vocab), jnp.float32) if self.keep_probs else None
-            weights = jnp.zeros((batch, self.max_draft, branches + 1), jnp.float32) if selects else None
-            return (jnp.zeros((batch, self.max_draft, branches), jnp.int32), probs, weights), jnp.zeros((), jnp.int32)
+        def skip():
+            probs = jnp.zeros((batch, k, branches, vocab), jnp.float32) if self.keep_probs else None
+            weights = jnp.zeros((batch, k, branches + 1), jnp.float32) if selects else None
+            return (jnp.zeros((batch, k, branches), jnp.int32), probs, weights), jnp.zeros((), jnp.int32)
 
-        (tokens, probs, weights), forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, None)
+        def run(drafts: int):
+            return padded(*self._draft_block(ctx, loop, state.cache, rng, drafts, branches, selects)), \
+                jnp.ones((), jnp.int32)
+
+        # Branch 0: no row drafts. Branch i: the i-th of `drawn`, the fewest drafts that hold every row's limit.
+        drawn = self.drafts_drawn
+        index = jnp.where(jnp.any(limit > 0), 1 + jnp.sum(jnp.asarray(drawn) < jnp.max(limit)), 0)
+        branches_run = [skip] + [functools.partial(run, drafts) for drafts in drawn]
+        (tokens, probs, weights), forwards = jax.lax.switch(index, branches_run)
         count = limit.astype(jnp.int32)
         if self.tree is not None:  # the block's drafts with their alternatives at every position, as leaves
             branching = self.schedule.branching(state.length, ~loop.done)
@@ -90,22 +102,31 @@ class BlockDrafter(Drafter):
             draft = Draft(tokens=tokens[:, :, 0], count=count, probs=None if probs is None else probs[:, :, 0])
         return DraftStep(draft=draft, state=state, forwards=forwards, target_cache=loop.cache)
 
-    def _draft_block(self, ctx: Context, loop: DecodeState, cache, rng, branches: int, selects: bool):
-        """One drafter forward over its block [last, mask x (W-1)], then drafts 1..K, each drawn from its processed
-        distribution, with `branches` - 1 alternatives each (jaxspec.tree.draw_candidates) -> (tokens [B, K, F],
-        their laws [B, K, F, V] or None, and with `selects` each position's candidate weights [B, K, F + 1])."""
+    @property
+    def drafts_drawn(self) -> tuple[int, ...]:
+        """How many of the block's positions a round puts through the target's head and draws, by the most any row
+        may draft: 1, and the draft counts of the verify widths (`schedule.verify_widths`, K the widest). The block
+        is one forward whatever a round drafts, but its head is a product per position: K of them cost more than a
+        plain step at batch 8 (on this CPU at K = 7), so a round drawing one draft pays for one."""
+        return tuple(sorted({1} | {width - 1 for width in verify_widths(self.max_draft) if width > 1}))
+
+    def _draft_block(self, ctx: Context, loop: DecodeState, cache, rng, drafts: int, branches: int, selects: bool):
+        """One drafter forward over its block [last, mask x (W-1)], then its first `drafts` positions drawn, each from
+        its processed distribution, with `branches` - 1 alternatives each (jaxspec.tree.draw_candidates) -> (tokens
+        [B, n, F], their laws [B, n, F, V] or None, and with `selects` each position's candidate weights [B, n, F + 1])
+        for n = `drafts`."""
         drafter, target = ctx.assistant, ctx.target
-        k, batch = self.max_draft, loop.lengths.shape[0]
+        batch = loop.lengths.shape[0]
         block = drafter.block_tokens(loop.last_token)  # [B, W]: the whole block, whatever K uses of it (W >= K + 1)
         embedded = target.embed_tokens(block)[..., : target.cfg.hidden_size] * drafter.cfg.input_embedding_scale
         positions = (loop.lengths - 1)[:, None] + jnp.arange(block.shape[1])[None, :]  # [B, W]
         hidden = drafter.draft_block(embedded, positions, cache, loop.lengths - 1)  # [B, W, D]
-        head = for_rows(ctx.head, batch * k)
-        head = target.head_matrix() if head is None else head
-        logits = drafter.logits(hidden[:, 1:k + 1], head)  # [B, K, V]: entry j drafts the token at position L + j
+        head = for_rows(ctx.head, batch * drafts)
+        head = I.head_weight(target) if head is None else head
+        logits = drafter.logits(hidden[:, 1:drafts + 1], head)  # [B, n, V]: entry j drafts the token at position L + j
         rows = jnp.arange(batch)
         tokens, probs, weights, history = [], [], [], loop.tokens
-        for j in range(k):  # K is static and small; each draft's processing sees the drafts before it
+        for j in range(drafts):  # static and small; each draft's processing sees the drafts before it
             processed = ctx.process(logits[:, j:j + 1], history, loop.lengths + j, loop.prompt_lengths)[:, 0]
             candidates, laws = draw_candidates(jax.random.fold_in(rng, j), processed, branches, ctx.do_sample,
                                                self.keep_probs, law=draft_distribution)  # [B, F], [B, F, V]
@@ -122,7 +143,7 @@ class BlockDrafter(Drafter):
         slots = jnp.arange(result.features.shape[1])[None, :]
         first = result.lengths - result.committed - 1
         positions = jnp.where(slots < result.committed[:, None], first[:, None] + slots, state.cache.size)
-        cache = self._write(ctx, result.features, positions, state.cache)
+        cache = write_committed(self, result, positions, functools.partial(self._write, ctx), state.cache)
         return BlockState(cache=cache, length=self.schedule.update(state.length, result, self.max_draft))
 
     def _write(self, ctx: Context, features: jax.Array, positions: jax.Array, cache):

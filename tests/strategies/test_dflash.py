@@ -189,3 +189,49 @@ def test_sampling_is_exact_and_a_lossy_q_is_caught(pair, monkeypatch):
         jax.clear_caches()
     p_values = [oracles.goodness_of_fit(lossy[:, i], exact[i]) for i in range(3)]
     assert min(p_values) < 1e-6, p_values
+
+
+def _drafted_rounds(target, drafter, monkeypatch, draw_all: bool, **kwargs):
+    """Every round's (count, drafts of row 0 up to K) as the loop proposed them; `draw_all`: every drafting round puts
+    all K positions of its block through the head, as before rounds drew only as many as their rows may draft."""
+    rounds = []
+
+    def draft(self, ctx, loop_state, state, rng):
+        step = real_draft(self, ctx, loop_state, state, rng)
+        jax.debug.callback(lambda tokens, count: rounds.append((count.tolist(), tokens[0].tolist())),
+                           step.draft.tokens, step.draft.count, ordered=True)
+        return step
+
+    real_draft = dflash_strategy.BlockDrafter.draft
+    with monkeypatch.context() as patch:
+        patch.setattr(dflash_strategy.BlockDrafter, "draft", draft)
+        if draw_all:
+            patch.setattr(dflash_strategy.BlockDrafter, "drafts_drawn", property(lambda self: (self.max_draft,)))
+        loop._compiled.clear()
+        try:
+            out = jaxspec.generate(target, PROMPTS, max_new_tokens=20, eos_token_id=[], assistant_model=drafter,
+                                   **kwargs)
+        finally:
+            loop._compiled.clear()  # the recording loops must not serve a later test
+        jax.effects_barrier()
+    return out, rounds
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_round_draws_only_the_drafts_its_rows_may_propose(agreeing_pair, monkeypatch, do_sample):
+    """A round puts only as many block positions through the target's head as its rows may draft (1 or K here,
+    `BlockDrafter.drafts_drawn`); what it proposes equals the first drafts of the whole block, round by round, and
+    the output is the same, greedy and sampled with one seed."""
+    target, drafter, *_ = agreeing_pair
+    sampling = dict(do_sample=True, temperature=TEMPERATURE, seed=5) if do_sample else {}
+    bucketed, rounds = _drafted_rounds(target, drafter, monkeypatch, draw_all=False, **sampling)
+    whole, whole_rounds = _drafted_rounds(target, drafter, monkeypatch, draw_all=True, **sampling)
+    np.testing.assert_array_equal(bucketed.sequences, whole.sequences)
+    assert [count for count, _ in rounds] == [count for count, _ in whole_rounds]
+    single = 0
+    for (count, drafts), (_, all_drafts) in zip(rounds, whole_rounds):
+        assert drafts[: count[0]] == all_drafts[: count[0]]
+        if 0 < max(count) <= 1:  # one position drawn: the rest of the buffer is padding
+            single += 1
+            assert drafts[1:] == [0] * (len(drafts) - 1)
+    assert single >= 2, rounds  # the schedule's one-draft probes took the narrow branch
