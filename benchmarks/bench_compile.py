@@ -1,7 +1,7 @@
 """Time to the first token: what compiling the decode loop costs a user of the CLI, and where it goes, for this
 checkout beside another commit, in one run.
 
-    python benchmarks/bench_compile.py [--model smollm2-135m] [--strategies prompt_lookup,mtp] [--baseline HEAD]
+    python benchmarks/bench_compile.py [--model smollm2-135m] [--strategies prompt_lookup,mtp,dflash,eagle3] [--baseline HEAD]
         [--passes 1] [--results benchmarks/results]
 
 **As a user meets it** (`cli` table): `scripts/generate.py --chat --max-new-tokens 16` in fresh processes that share
@@ -83,7 +83,10 @@ def measure_phases(model_name: str, strategy: str) -> dict:
 
     model = jaxspec.load(model_name)
     ids = model.tokenizer(PROMPTS[0])["input_ids"]
-    options = {"prompt_lookup": {"prompt_lookup_num_tokens": 10}, "mtp": {"use_mtp": True}}[strategy]
+    if strategy in ("dflash", "eagle3"):  # the drafters jaxspec ships, as the CLI's --strategy loads them
+        options = {"assistant_model": jaxspec.load(f"smollm2-135m-{strategy}")}
+    else:
+        options = {"prompt_lookup": {"prompt_lookup_num_tokens": 10}, "mtp": {"use_mtp": True}}[strategy]
     real_compile = loop.compile_loop
     loop.compile_loop = compile_and_time
     try:

@@ -283,16 +283,18 @@ def room_for_drafts(loop: DecodeState) -> jax.Array:
 
 def write_committed(drafter: Drafter, result: RoundResult, positions: jax.Array,
                     write: Callable[[jax.Array, jax.Array, Any], Any], state: Any) -> Any:
-    """`write(features, positions, state) -> state` over the round's first W slots only: W the narrowest chain
-    verify width (`schedule.verify_widths`) that holds every row's committed tokens, chosen at run time.
+    """`write(features, positions, state) -> state` over the round's first slot alone where no row committed more
+    than one token, else over all K + 1 (chosen at run time).
 
     result.features [B, K+1, F*D], positions [B, K+1] (a slot a row did not commit already points past the buffer).
     A drafter that projects the committed tokens' features into its own cache (DFlash, EAGLE-3) would otherwise run
     that projection over all K+1 slots every round: a round that verified one token, the plain step every row
     takes where drafts do not pay, then cost a K+1-wide projection more than a plain step, a cost the schedule's
-    prices did not hold (docs/design.md, 'The trained heads in batches')."""
-    widths = verify_widths(drafter.max_draft)  # committed <= K + 1 = widths[-1], a tree's too (K is its depth)
-    index = jnp.sum(jnp.asarray(widths) < jnp.max(result.committed))  # the narrowest width >= every row's commit
+    prices did not hold (docs/design.md, 'The trained heads in batches'). A round that drafted costs more than
+    the projection of its unused slots; widths between 1 and K + 1 would each be another copy of the projection to
+    compile."""
+    widths = (1, drafter.max_draft + 1)  # committed <= K + 1, a tree's too (K is its depth)
+    index = (jnp.max(result.committed) > 1).astype(jnp.int32)
     branches = [lambda s, w=w: (write(result.features[:, :w], positions[:, :w], s), ()) for w in widths]
     state, _ = inplace.switch(index, branches, state)
     return state

@@ -80,20 +80,23 @@ class BlockDrafter(Drafter):
                 return None if x is None else jnp.pad(x, ((0, 0), (0, k - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
             return pad(tokens), pad(probs), pad(weights)
 
-        def skip():
+        def skip(_):
             probs = jnp.zeros((batch, k, branches, vocab), jnp.float32) if self.keep_probs else None
             weights = jnp.zeros((batch, k, branches + 1), jnp.float32) if selects else None
             return (jnp.zeros((batch, k, branches), jnp.int32), probs, weights), jnp.zeros((), jnp.int32)
 
-        def run(drafts: int):
-            return padded(*self._draft_block(ctx, loop, state.cache, rng, drafts, branches, selects)), \
+        def run(_):
+            hidden = self._block_hidden(ctx, loop, state.cache)  # [B, W, D]: one forward, whatever a row drafts
+
+            def draw(drafts: int):
+                return padded(*self._draw(ctx, loop, hidden, rng, drafts, branches, selects))
+
+            # The fewest of `drafts_drawn` that hold every row's limit.
+            index = jnp.sum(jnp.asarray(self.drafts_drawn) < jnp.max(limit))
+            return jax.lax.switch(index, [functools.partial(draw, n) for n in self.drafts_drawn]), \
                 jnp.ones((), jnp.int32)
 
-        # Branch 0: no row drafts. Branch i: the i-th of `drawn`, the fewest drafts that hold every row's limit.
-        drawn = self.drafts_drawn
-        index = jnp.where(jnp.any(limit > 0), 1 + jnp.sum(jnp.asarray(drawn) < jnp.max(limit)), 0)
-        branches_run = [skip] + [functools.partial(run, drafts) for drafts in drawn]
-        (tokens, probs, weights), forwards = jax.lax.switch(index, branches_run)
+        (tokens, probs, weights), forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, None)
         count = limit.astype(jnp.int32)
         if self.tree is not None:  # the block's drafts with their alternatives at every position, as leaves
             branching = self.schedule.branching(state.length, ~loop.done)
@@ -110,20 +113,25 @@ class BlockDrafter(Drafter):
         plain step at batch 8 (on this CPU at K = 7), so a round drawing one draft pays for one."""
         return tuple(sorted({1} | {width - 1 for width in verify_widths(self.max_draft) if width > 1}))
 
-    def _draft_block(self, ctx: Context, loop: DecodeState, cache, rng, drafts: int, branches: int, selects: bool):
-        """One drafter forward over its block [last, mask x (W-1)], then its first `drafts` positions drawn, each from
-        its processed distribution, with `branches` - 1 alternatives each (jaxspec.tree.draw_candidates) -> (tokens
-        [B, n, F], their laws [B, n, F, V] or None, and with `selects` each position's candidate weights [B, n, F + 1])
-        for n = `drafts`."""
+    def _block_hidden(self, ctx: Context, loop: DecodeState, cache) -> jax.Array:
+        """One drafter forward over its block [last, mask x (W-1)] -> final-normed hidden [B, W, D]; entry j >= 1
+        drafts the token at position L - 1 + j."""
         drafter, target = ctx.assistant, ctx.target
-        batch = loop.lengths.shape[0]
         block = drafter.block_tokens(loop.last_token)  # [B, W]: the whole block, whatever K uses of it (W >= K + 1)
         embedded = target.embed_tokens(block)[..., : target.cfg.hidden_size] * drafter.cfg.input_embedding_scale
         positions = (loop.lengths - 1)[:, None] + jnp.arange(block.shape[1])[None, :]  # [B, W]
-        hidden = drafter.draft_block(embedded, positions, cache, loop.lengths - 1)  # [B, W, D]
+        return drafter.draft_block(embedded, positions, cache, loop.lengths - 1)
+
+    def _draw(self, ctx: Context, loop: DecodeState, hidden: jax.Array, rng, drafts: int, branches: int,
+              selects: bool):
+        """The block's first `drafts` positions through the target's head, each drawn from its processed
+        distribution, with `branches` - 1 alternatives each (jaxspec.tree.draw_candidates) -> (tokens [B, n, F],
+        their laws [B, n, F, V] or None, and with `selects` each position's candidate weights [B, n, F + 1]) for
+        n = `drafts`."""
+        batch = loop.lengths.shape[0]
         head = for_rows(ctx.head, batch * drafts)
-        head = I.head_weight(target) if head is None else head
-        logits = drafter.logits(hidden[:, 1:drafts + 1], head)  # [B, n, V]: entry j drafts the token at position L + j
+        head = I.head_weight(ctx.target) if head is None else head
+        logits = ctx.assistant.logits(hidden[:, 1:drafts + 1], head)  # [B, n, V]: entry j drafts position L + j
         rows = jnp.arange(batch)
         tokens, probs, weights, history = [], [], [], loop.tokens
         for j in range(drafts):  # static and small; each draft's processing sees the drafts before it
