@@ -217,7 +217,7 @@ def _drafted_rounds(target, drafter, monkeypatch, draw_all: bool, **kwargs):
     return out, rounds
 
 
-@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("do_sample", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_round_draws_only_the_drafts_its_rows_may_propose(agreeing_pair, monkeypatch, do_sample):
     """A round puts only as many block positions through the target's head as its rows may draft (1 or K here,
     `BlockDrafter.drafts_drawn`); what it proposes equals the first drafts of the whole block, round by round, and
