@@ -192,8 +192,8 @@ def test_sampling_is_exact_and_a_lossy_q_is_caught(pair, monkeypatch):
 
 
 def _drafted_rounds(target, drafter, monkeypatch, draw_all: bool, **kwargs):
-    """Every round's (count, drafts of row 0 up to K) as the loop proposed them; `draw_all`: every drafting round puts
-    all K positions of its block through the head, as before rounds drew only as many as their rows may draft."""
+    """Every round's (count, drafts of row 0 up to K) as the loop proposed them; `draw_all`: every drafting round draws
+    all K positions of its block, as DFlash rounds did before 7d5bb0a."""
     rounds = []
 
     def draft(self, ctx, loop_state, state, rng):
