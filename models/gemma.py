@@ -558,7 +558,7 @@ class GemmaForCausalLM(nnx.Module):
     def logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
         """LM head over final-normed hidden states, then the final soft-cap if any: [..., D] -> [..., V] float32.
         `head`: the [D, V] head where the caller holds it in another layout (`jaxspec.head.verify_head`)."""
-        if head is None:  # a tied head on a CPU: the embedding read in place (int8.tied_head)
+        if head is None:  # this model's own; a tied head on a CPU reads the embedding in place (int8.head_weight)
             head = I.head_weight(self)
         logits = I.project("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
         return L.soft_cap(logits, self.cfg.final_softcap)

@@ -280,7 +280,7 @@ class LlamaForCausalLM(nnx.Module):
     def logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
         """LM head over final-normed hidden states: [..., D] -> [..., V], always float32. `head`: the [D, V] head
         where the caller holds it in another layout (`jaxspec.head.verify_head`), else this model's own."""
-        if head is None:  # a tied head on a CPU: the embedding read in place (int8.tied_head)
+        if head is None:  # this model's own; a tied head on a CPU reads the embedding in place (int8.head_weight)
             head = I.head_weight(self)
         return I.project("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
 

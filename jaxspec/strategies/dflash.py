@@ -17,7 +17,8 @@ them as q; the dflash package's `dflash_generate` draws from and verifies with t
 warping (it applies no other processor).
 
 How much of the block a row verifies follows the shared schedule (adaptive by default): the block costs one drafter
-forward whatever its length (`Schedule.round_cost`), and a verify block of each width costs what was measured.
+forward whatever its length (`Schedule.round_cost`), its drafts a pass through the target's head each (only as many
+as the round may propose: `BlockDrafter.drafts_drawn`), and a verify block of each width costs what was measured.
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ class BlockDrafter(Drafter):
     def drafts_drawn(self) -> tuple[int, ...]:
         """How many of the block's positions a round puts through the target's head and draws, by the most any row
         may draft: 1, and the draft counts of the verify widths (`schedule.verify_widths`, K the widest). The block
-        is one forward whatever a round drafts, but its head is a product per position: K of them cost more than a
-        plain step at batch 8 (on this CPU at K = 7), so a round drawing one draft pays for one."""
+        is one forward whatever a round drafts, but its head is a product per position, and K of them can cost as
+        much as a plain step (docs/design.md, 'The trained heads in batches'): a round drawing one draft pays for
+        one."""
         return tuple(sorted({1} | {width - 1 for width in verify_widths(self.max_draft) if width > 1}))
 
     def _block_hidden(self, ctx: Context, loop: DecodeState, cache) -> jax.Array:
