@@ -298,5 +298,4 @@ class Eagle3Head(nnx.Module):
     def target_logits(self, outputs: jax.Array) -> jax.Array:
         """The same logits over the target's vocabulary [..., V]: -inf outside the draft vocabulary, so the draft
         distribution q is zero there (which keeps speculative sampling exact: the residual gives that mass back)."""
-        full = jnp.full((*outputs.shape[:-1], self.cfg.vocab_size), -jnp.inf, jnp.float32)
-        return full.at[..., self.vocab_ids[...]].set(self.logits(outputs))
+        return L.spread_to_vocab(self.logits(outputs), self.vocab_ids[...], self.cfg.vocab_size)

@@ -355,8 +355,7 @@ class LlamaForCausalLM(nnx.Module):
         """
         if not self.cfg.draft_vocab_size:
             return self.logits(hidden)
-        full = jnp.full((*hidden.shape[:-1], self.cfg.vocab_size), -jnp.inf, jnp.float32)
-        return full.at[..., self.draft_vocab[...]].set(self.draft_vocab_logits(hidden, head))
+        return L.spread_to_vocab(self.draft_vocab_logits(hidden, head), self.draft_vocab[...], self.cfg.vocab_size)
 
     def _check_mtp_depth(self, depth: int):
         if not 0 <= depth < self.cfg.num_mtp_layers:

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from jaxspec.convert.errors import CheckpointError
 from safetensors.torch import load_file, save_file
 
 import jaxspec
+from jaxspec.models import layers as L
 from tests.fixtures import eagle3 as eagle3_fixtures
 
 STEPS = 4
@@ -61,6 +65,27 @@ def test_chained_logits_equal_the_reference(tmp_path, own_embedding):
     ids = np.asarray(head.module.vocab_ids[...])
     np.testing.assert_array_equal(ids, (reference.d2t + torch.arange(48)).numpy())
     assert np.isfinite(full[0, ids]).all() and np.isneginf(np.delete(full[0], ids)).all()
+
+
+def test_spreading_to_the_vocabulary_places_each_logit_at_its_token():
+    rng = np.random.default_rng(0)
+    ids = rng.permutation(50)[:12]  # distinct, unordered
+    logits = rng.normal(size=(2, 3, 12)).astype(np.float32)
+    expected = np.full((2, 3, 50), -np.inf, np.float32)
+    expected[..., ids] = logits
+    np.testing.assert_array_equal(np.asarray(L.spread_to_vocab(jnp.asarray(logits), jnp.asarray(ids), 50)), expected)
+
+
+def test_draft_logits_of_a_batch_are_multiplied_rows_first(tmp_path):
+    """The product behind a batch's draft logits is [B, D] x [D, V'], not the transposed [V', D] x [D, B] that a
+    scatter into the vocabulary had XLA compute (47 ms against 2.4 for SmolLM2's head at batch 8 on the CPU)."""
+    head = jaxspec.load(eagle3_fixtures.save(eagle3_fixtures.reference(seed=2), tmp_path / "head"))
+    graphdef, state = nnx.split(head.module)
+    draft_size = head.config.draft_vocab_size
+    hlo = jax.jit(lambda state, a: nnx.merge(graphdef, state).target_logits(a)).lower(
+        state, jnp.ones((8, head.config.hidden_size))).compile().as_text()
+    products = re.findall(r"= f32\[([\d,]+)\][^ ]* dot\(", hlo)
+    assert f"8,{draft_size}" in products and f"{draft_size},8" not in products, products
 
 
 @pytest.fixture
