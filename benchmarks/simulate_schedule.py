@@ -5,12 +5,12 @@
 Each scenario is a batch of rows that accept each draft with a fixed probability (or, for text that repeats in
 bursts, a probability that follows the row's position: so many tokens at one rate, then so many at another, over and
 over), and the prices of a loop at that batch (verify widths 1, 2, 3 and one draft, in plain steps: what
-jaxspec/costs.py measures). Every round asks the schedule how many drafts the batch proposes, draws each row's
-accepted drafts, and updates the schedule with the round, as the compiled loop does, until every row has its tokens;
-the batch then ends with its slowest row, as a static batch does. The table shows rounds, rounds that drafted and
-how many of them were probes, and the speedup the prices give over plain decoding (one plain step per token). On a
-CPU whose speed moves by 0.3 between passes, this is how a change to the schedule's rule shows what it does to its
-decisions (docs/design.md, 'Batches').
+jaxspec/costs.py measures). Every round asks the schedule how many drafts the batch proposes (for its rows furthest
+from done, as the loop's `deciding_rows` does), draws each row's accepted drafts, and updates the schedule with the
+round, as the compiled loop does, until every row has its tokens; the batch then ends with its slowest row, as a
+static batch does. The table shows rounds, rounds that drafted and how many of them were probes, and the speedup the
+prices give over plain decoding (one plain step per token). On a CPU whose speed moves by 0.3 between passes, this
+is how a change to the schedule's rule shows what it does to its decisions (docs/design.md, 'Batches').
 """
 
 from __future__ import annotations
@@ -83,16 +83,18 @@ def simulate(rates, verify_costs, draft_cost: float, tokens: int, seed: int, max
     run = Run()
     while done.min() < tokens:
         running = done < tokens
-        active = jnp.asarray(running)
-        drafts = int(np.asarray(schedule.allowed(state, active))[0])
-        probing = bool(schedule.probing(state, active))
+        remaining = np.where(running, tokens - done, -1)
+        deciding = jnp.asarray(running & (remaining == remaining.max()))  # the loop's `deciding_rows`
+        drafts = int(np.asarray(schedule.allowed(state, deciding))[0])
+        probing = bool(schedule.probing(state, deciding))
         accepted = np.zeros(batch, np.int64)  # [B] the leading drafts each row's target agrees with
         for row in range(batch):
             while accepted[row] < drafts and rng.random() < rate_at(rates[row], done[row] + accepted[row]):
                 accepted[row] += 1
         committed = np.where(running, accepted + 1, 0)
         result = RoundResult(drafted=jnp.asarray(np.where(running, drafts, 0)), accepted=jnp.asarray(accepted),
-                             committed=jnp.asarray(committed), tokens=None, hidden=None, lengths=None)
+                             committed=jnp.asarray(committed), tokens=None, hidden=None, lengths=None,
+                             deciding=deciding)
         state = schedule.update(state, result, max_draft)
         run.cost += float(schedule.round_price(jnp.asarray(drafts)))
         run.rounds += 1

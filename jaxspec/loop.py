@@ -31,7 +31,7 @@ from .sampling import select
 from .schedule import Prices
 from .sharding import ShardingRules, constrain, named_sharding
 from .strategies.base import (Context, Counters, DecodeState, Drafter, DraftStep, PrefillChunk, RoundResult,
-                             run_tapped_layers)
+                             deciding_rows, run_tapped_layers)
 from .cache import move_cache_entries
 from .verify import leading_true, verify
 
@@ -261,7 +261,8 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState, verify_floor) -> De
         scores = scores.at[rows[:, None], slots].set(checked.processed, mode="drop")
 
     result = RoundResult(drafted=checked.drafted, accepted=n, committed=committed, tokens=verified,
-                         hidden=checked.hidden, lengths=lengths, features=checked.features, on_chain=checked.on_chain)
+                         hidden=checked.hidden, lengths=lengths, features=checked.features, on_chain=checked.on_chain,
+                         deciding=deciding_rows(state))
     drafter_state = drafter.update(ctx, step.state, result)
     active = ~state.done
     c = state.counters

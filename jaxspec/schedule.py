@@ -109,19 +109,20 @@ class Schedule:
     """How a row's draft length follows what verification accepted.
 
     - "adaptive" (jaxspec's default for every drafter): each row keeps a decayed estimate of the probability that a
-      draft is accepted (its `accepted` / `judged` counts, with a prior). A round's verify block is one forward for
-      the whole batch, as wide as its longest draft, so the batch decides together: each round it drafts the
-      length with the most expected tokens per cost summed over its running rows. A block of d drafts commits
-      (1 - a^(d+1)) / (1 - a) tokens on average for a row of acceptance a, and costs `verify_costs` of its width
-      (measured at the batch it runs: a [8, 4] block does not cost what a [1, 4] block costs) plus `draft_cost` per
-      draft (drafting-model steps, in target steps). Every row then drafts that length (a width already paid
-      verifies a row's extra drafts for nothing). When no length beats a plain step, the batch does not draft,
+      draft is accepted (its `accepted` / `judged` counts, with a prior). A round's verify block is one forward for the
+      whole batch, as wide as its longest draft, so the batch decides together: each round it drafts the length with the
+      most expected tokens per cost summed over its deciding rows, the running rows furthest from done
+      (`strategies.base.deciding_rows`: a batch ends with its last row, so drafts for rows ahead buy nothing). A block
+      of d drafts commits (1 - a^(d+1)) / (1 - a) tokens on average for a row of acceptance a, and costs `verify_costs`
+      of its width (measured at the batch it runs: a [8, 4] block does not cost what a [1, 4] block costs) plus
+      `draft_cost` per draft (drafting-model steps, in target steps). Every row then drafts that length (a width already
+      paid verifies a row's extra drafts for nothing). When no length beats a plain step, the batch does not draft,
       except for a one-draft probe whenever a row's cooldown is over; the cooldown follows 1, 2, 4, ... up to
       MAX_COOLDOWN rounds (doubling while probes miss; a row's hit counts only where the probe's tokens paid for the
-      batch's round; `probe_spacing` times longer for drafters whose probe costs more), so that text which starts
-      to repeat is noticed. Rows probe together, so their cooldowns stay in step and a batch probes no more often
-      than one row would. On text the drafter cannot predict, drafting therefore
-      costs one cheap probe every ~33 rounds; on text it predicts, the batch drafts the length that pays best.
+      batch's round; `probe_spacing` times longer for drafters whose probe costs more), so that text which starts to
+      repeat is noticed. Rows probe together, so their cooldowns stay in step and a batch probes no more often than one
+      row would. On text the drafter cannot predict, drafting therefore costs one cheap probe every ~33 rounds; on text
+      it predicts, the batch drafts the length that pays best.
     - "constant": always K (HF's default for assistants, and what HF's prompt lookup does).
     - "heuristic" / "heuristic_transient": HF's rule, +2 after a round in which every draft was accepted (a round
       without drafts counts, as in HF), else -1, never below 1, capped by K.
@@ -242,8 +243,8 @@ class Schedule:
         depth, branching = self.choice(state, active)
         return jnp.where((depth > 0) & ~self.forced, branching, 1).astype(jnp.int32)  # a probe drafts the chain
     def allowed(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
-        """[B] how many drafts each row may propose this round. `active`: [B] bool, the rows still decoding (all
-        when None); the batch's choice prices their expected tokens only."""
+        """[B] how many drafts each row may propose this round. `active`: [B] bool, the rows the batch's choice is
+        for (all when None: `deciding_rows` in the loop); it prices their expected tokens only."""
         if not self.priced:
             return state.num_tokens
         active = _all_rows(state) if active is None else active
@@ -325,10 +326,11 @@ class Schedule:
         on_chain = result.accepted if result.on_chain is None else result.on_chain
         judged = on_chain + (on_chain < result.drafted)  # the accepted ones, then the rejected one
         accepted = jnp.where(tried, self.DECAY * state.accepted + on_chain, state.accepted)
-        # The round's choice, made from this same state: a round that drafted only because nothing paid was a probe,
-        # for every row that drafted in it, so that the rows' cooldowns stay in step.
+        # The round's choice, made from this same state for the same rows: a round that drafted only because nothing
+        # paid was a probe, for every row that drafted in it, so that the rows' cooldowns stay in step.
+        deciding = result.rows_deciding()
         if self.priced:
-            depth, branching = self.choice(state, active)
+            depth, branching = self.choice(state, deciding)
         else:  # no widths to choose among: the cap alone decides, so no round is a probe
             depth, branching = jnp.int32(cap), jnp.int32(self.entries_per_draft)
         # A tree round's depths reached along the chain each accepted the chain's token or an alternative, or neither.
@@ -338,13 +340,13 @@ class Schedule:
         branch_judged = jnp.where(branched, self.DECAY * state.branch_judged + judged, state.branch_judged)
         judged = jnp.where(tried, self.DECAY * state.judged + judged, state.judged)
         probe_round = depth == 0
-        # A probe is judged by what the batch got from it, as any round is: a row's hit in a probe whose tokens did
-        # not pay for the batch's round still counts as a miss, so the rows back off together. Were a hit to make
-        # its row due again at once, a batch of rows that each hit now and then would probe nearly every round
-        # (docs/design.md, 'Batches'). At batch 1 a hit's two tokens pay for any probe that costs less than two plain
-        # steps, so a lone row that hits probes again at once.
-        probe_tokens = jnp.sum(jnp.where(active, jnp.where(tried, result.accepted, 0) + 1, 0))
-        probe_paid = (probe_tokens >= self.round_price(jnp.ones((), jnp.int32)) * jnp.sum(active)
+        # A probe is judged by what the batch (its deciding rows) got from it, as any round is: a row's hit in a probe
+        # whose tokens did not pay for the batch's round still counts as a miss, so the rows back off together. Were a
+        # hit to make its row due again at once, a batch of rows that each hit now and then would probe nearly every
+        # round (docs/design.md, 'Batches'). At batch 1 a hit's two tokens pay for any probe that costs less than two
+        # plain steps, so a lone row that hits probes again at once.
+        probe_tokens = jnp.sum(jnp.where(deciding, jnp.where(tried, result.accepted, 0) + 1, 0))
+        probe_paid = (probe_tokens >= self.round_price(jnp.ones((), jnp.int32)) * jnp.sum(deciding)
                       if self.priced else True)
         missed = tried & probe_round & ((result.accepted == 0) | ~probe_paid)
         misses = jnp.where(missed, state.misses + 1, jnp.where(tried & (result.accepted > 0), 0, state.misses))

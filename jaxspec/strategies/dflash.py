@@ -36,8 +36,8 @@ from ..head import for_rows
 from ..models import int8 as I
 from ..schedule import DraftLength, Schedule, make_schedule, verify_widths
 from ..tree import candidate_weights, draw_candidates, sibling_tree
-from .base import (Context, DecodeState, Draft, Drafter, DraftStep, PrefillChunk, RoundResult, room_for_drafts,
-                   write_committed)
+from .base import (Context, DecodeState, Draft, Drafter, DraftStep, PrefillChunk, RoundResult, deciding_rows,
+                   room_for_drafts, write_committed)
 from .spec import (ASSISTANT_ENSEMBLE_WEIGHT, ASSISTANT_MODEL, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE,
                    TREE, BuildRequest, Option, Strategy, StrategyChoice, check_positive_int, schedule_kind,
                    tree_pricing, tree_shape)
@@ -72,7 +72,7 @@ class BlockDrafter(Drafter):
         return dataclasses.replace(state, cache=self._write(ctx, chunk.features, positions, state.cache))
 
     def draft(self, ctx: Context, loop: DecodeState, state: BlockState, rng: jax.Array) -> DraftStep:
-        limit = jnp.minimum(self.schedule.allowed(state.length, ~loop.done), room_for_drafts(loop))  # [B]
+        limit = jnp.minimum(self.schedule.allowed(state.length, deciding_rows(loop)), room_for_drafts(loop))  # [B]
         branches, selects = self.branches, self.selects  # a tree's siblings per depth; keeping the N most probable
         batch, vocab, k = loop.lengths.shape[0], ctx.target.cfg.vocab_size, self.max_draft
 
@@ -100,7 +100,7 @@ class BlockDrafter(Drafter):
         (tokens, probs, weights), forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, None)
         count = limit.astype(jnp.int32)
         if self.tree is not None:  # the block's drafts with their alternatives at every position, as leaves
-            branching = self.schedule.branching(state.length, ~loop.done)
+            branching = self.schedule.branching(state.length, deciding_rows(loop))
             draft = Draft.of_tree(sibling_tree(tokens, count, probs, branching, weights, self.tree.nodes))
         else:
             draft = Draft(tokens=tokens[:, :, 0], count=count, probs=None if probs is None else probs[:, :, 0])

@@ -32,7 +32,7 @@ from ..costs import weight_bytes
 from ..sampling import select
 from ..schedule import DraftLength, Schedule
 from ..tree import candidate_laws, candidate_weights, sibling_tree
-from .base import Context, DecodeState, Draft, Drafter, DraftStep, RoundResult, room_for_drafts
+from .base import Context, DecodeState, Draft, Drafter, DraftStep, RoundResult, deciding_rows, room_for_drafts
 from .spec import (ASSISTANT_MODEL, ASSISTANT_TOKENIZER, DRAFT_LENGTH_OPTIONS, TREE, BuildRequest, Strategy,
                    StrategyChoice, check_assistant, default_prefill_chunk, draft_length, persist_heuristic_length,
                    tree_schedule, tree_shape)
@@ -85,7 +85,7 @@ class AutoregressiveDrafter(Drafter):
 
     def draft_limit(self, loop: DecodeState, length: DraftLength) -> jax.Array:
         """[B] drafts each row may propose this round: its schedule's length, within its budget."""
-        return jnp.minimum(self.schedule.allowed(length, ~loop.done), room_for_drafts(loop))
+        return jnp.minimum(self.schedule.allowed(length, deciding_rows(loop)), room_for_drafts(loop))
 
     def draft_loop(self, ctx: Context, loop: DecodeState, limit, first_logits, feed: Feed, carry, rng,
                    branching: jax.Array | None = None):
@@ -182,7 +182,7 @@ class AutoregressiveDrafter(Drafter):
             # schedule counts it as one rejected draft (for an idle row, a missed probe), or a drafter that keeps
             # doubting would run every round and learn nothing.
             running = result.committed > 0
-            doubted = (self.schedule.allowed(length, running) > 0) & (result.drafted == 0) & running
+            doubted = (self.schedule.allowed(length, result.rows_deciding()) > 0) & (result.drafted == 0) & running
             result = dataclasses.replace(result, drafted=jnp.where(doubted, 1, result.drafted))
         return self.schedule.update(length, result, self.max_draft)
 
@@ -215,7 +215,7 @@ class DraftModelDrafter(AutoregressiveDrafter):
                 logits, _, cache = assistant(token[:, None], positions, cache)
                 return logits[:, 0], cache
 
-            branching = self.schedule.branching(state.length, ~loop.done)
+            branching = self.schedule.branching(state.length, deciding_rows(loop))
             draft, cache, feeds = self.draft_loop(ctx, loop, limit, logits, feed, cache, rng, branching)
             # Valid if every draft is accepted: the committed tokens, then drafts 1..count-1 (the last one is never
             # fed; a tree's count is its nodes, F per drafted step). `update` lowers this to what was accepted.

@@ -47,6 +47,7 @@ from .base import (
     DraftStep,
     PrefillChunk,
     RoundResult,
+    deciding_rows,
     room_for_drafts,
     write_committed,
 )
@@ -118,7 +119,7 @@ class Eagle3Drafter(Drafter):
         branches, selects = self.branches, self.selects  # a tree's siblings per depth; keeping the N most probable
         batch = loop.tokens.shape[0]
         rows = jnp.arange(batch)
-        count = jnp.minimum(self.schedule.allowed(state.length, ~loop.done), room_for_drafts(loop))  # [B]
+        count = jnp.minimum(self.schedule.allowed(state.length, deciding_rows(loop)), room_for_drafts(loop))  # [B]
         count = count.astype(jnp.int32)
         vocab = ctx.target.cfg.vocab_size
         newest = loop.lengths - 2  # [B] the newest committed entry: g at L-2, the token at L-1
@@ -176,7 +177,7 @@ class Eagle3Drafter(Drafter):
         (cache, synced, forwards), (tokens, probs, weights) = inplace.cond(jnp.any(count > 0), run, skip, carry)
         state = dataclasses.replace(state, cache=cache, synced=synced)
         if self.tree is not None:  # the chain with its alternatives at every depth
-            branching = self.schedule.branching(state.length, ~loop.done)
+            branching = self.schedule.branching(state.length, deciding_rows(loop))
             draft = Draft.of_tree(sibling_tree(tokens, count, probs, branching, weights, self.tree.nodes))
         else:
             draft = Draft(tokens=tokens[:, :, 0], count=count, probs=None if probs is None else probs[:, :, 0])

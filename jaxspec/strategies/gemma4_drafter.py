@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from ..costs import weight_bytes
 from ..schedule import DraftLength
-from .base import Context, DecodeState, DraftStep, PrefillChunk, RoundResult
+from .base import Context, DecodeState, DraftStep, PrefillChunk, RoundResult, deciding_rows
 from .draft_model import AutoregressiveDrafter
 from .spec import (ASSISTANT_MODEL, DRAFT_LENGTH_OPTIONS, TREE, BuildRequest, Strategy, StrategyChoice, draft_length,
                    tree_schedule, tree_shape)
@@ -105,7 +105,7 @@ class Gemma4Drafter(AutoregressiveDrafter):
 
         def run(_):
             logits, hidden = step(state.hidden, loop.last_token)
-            branching = None if self.tree is None else self.schedule.branching(state.length, ~loop.done)
+            branching = None if self.tree is None else self.schedule.branching(state.length, deciding_rows(loop))
             draft, _, feeds = self.draft_loop(ctx, loop, limit, logits, lambda h, token, *_: step(h, token), hidden,
                                               rng, branching)
             return draft, feeds + 1

@@ -43,7 +43,8 @@ from .. import inplace
 from ..costs import mtp_draft_cost
 from ..schedule import DraftLength, Schedule, make_schedule
 from ..tree import candidate_weights, draw_candidates, sibling_tree
-from .base import Context, DecodeState, Draft, Drafter, DraftStep, PrefillChunk, RoundResult, room_for_drafts
+from .base import (Context, DecodeState, Draft, Drafter, DraftStep, PrefillChunk, RoundResult, deciding_rows,
+                   room_for_drafts)
 from .spec import (ASSISTANT_ENSEMBLE_WEIGHT, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE, TREE, BuildRequest,
                    Option, Strategy, StrategyChoice, check_positive_int, schedule_kind, tree_pricing, tree_shape)
 
@@ -104,7 +105,7 @@ class MtpDrafter(Drafter):
         target, k = ctx.target, self.max_draft
         batch, size = loop.tokens.shape
         rows = jnp.arange(batch)
-        allowed = self.schedule.allowed(state.length, ~loop.done)
+        allowed = self.schedule.allowed(state.length, deciding_rows(loop))
         count = jnp.minimum(allowed, room_for_drafts(loop)).astype(jnp.int32)  # [B]
         depths_needed = jnp.max(count)
         window = loop.lengths[:, None] - 1 - k + jnp.arange(k + 1)[None, :]  # [B, K+1] depth 0's positions
@@ -157,7 +158,7 @@ class MtpDrafter(Drafter):
         caches, outputs, synced, *_, forwards = carry
         tokens, probs, weights = jax.tree.map(lambda *depths: jnp.stack(depths, axis=1), *drafted)  # [B, K, F, ..]
         if self.tree is not None:  # the chain with its alternatives at every depth
-            branching = self.schedule.branching(state.length, ~loop.done)
+            branching = self.schedule.branching(state.length, deciding_rows(loop))
             draft = Draft.of_tree(sibling_tree(tokens, count, probs, branching, weights, self.tree.nodes))
         else:
             draft = Draft(tokens=tokens[:, :, 0], count=count, probs=None if probs is None else probs[:, :, 0])

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..schedule import DraftLength, Schedule, make_schedule
 from ..tree import ROOT, DraftTree
-from .base import Context, DecodeState, Draft, Drafter, DraftStep, RoundResult, room_for_drafts
+from .base import Context, DecodeState, Draft, Drafter, DraftStep, RoundResult, deciding_rows, room_for_drafts
 from .spec import (NUM_ASSISTANT_TOKENS_SCHEDULE, TREE, BuildRequest, Option, Strategy, StrategyChoice,
                    check_positive_int, schedule_kind, tree_pricing, tree_shape)
 
@@ -131,7 +131,7 @@ class PromptLookupDrafter(Drafter):
         count = jnp.minimum(jnp.sum(jnp.cumprod(valid, axis=1), axis=1), room_for_drafts(loop)).astype(jnp.int32)
         # The schedule knows what each row has to copy before it chooses the batch's length (Schedule.with_available).
         state = Schedule.with_available(state, count)
-        count = jnp.minimum(count, self.schedule.allowed(state, ~loop.done))
+        count = jnp.minimum(count, self.schedule.allowed(state, deciding_rows(loop)))
         return DraftStep(draft=Draft(tokens=tokens, count=count), state=state, forwards=jnp.zeros((), jnp.int32),
                          target_cache=loop.cache)
 
@@ -148,8 +148,9 @@ class PromptLookupDrafter(Drafter):
         lengths = jnp.minimum(jnp.sum(jnp.cumprod(valid, axis=2), axis=2), room_for_drafts(loop)[:, None])  # [B, F]
         state = Schedule.with_available(state, jnp.max(lengths, axis=1))  # the deepest match, as for a chain
         # The schedule's branching this round: the best match alone (a chain), or all of them.
-        lengths = jnp.where(jnp.arange(branches)[None, :] < self.schedule.branching(state, ~loop.done), lengths, 0)
-        allowed = self.schedule.allowed(state, ~loop.done)  # [B] depth
+        branching = self.schedule.branching(state, deciding_rows(loop))
+        lengths = jnp.where(jnp.arange(branches)[None, :] < branching, lengths, 0)
+        allowed = self.schedule.allowed(state, deciding_rows(loop))  # [B] depth
         tree = continuation_trie(candidates, jnp.minimum(lengths, allowed[:, None]).astype(jnp.int32))
         if self.tree.selects:  # a budget below F D keeps the nodes of the best-ranked matches (a prefix is a tree)
             tree = tree.truncated(self.tree.nodes)

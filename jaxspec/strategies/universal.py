@@ -293,7 +293,7 @@ class UniversalDrafter(AutoregressiveDrafter):
         synced = jnp.minimum(state.synced, state.length + kept)
         # The schedule judges the drafts it asked for; a look-ahead draft past them is evidence it did not pay for
         # (and a probe stays a one-draft probe).
-        allowed = self.schedule.allowed(state.schedule, result.committed > 0)
+        allowed = self.schedule.allowed(state.schedule, result.rows_deciding())
         asked = dataclasses.replace(result, drafted=jnp.minimum(result.drafted, allowed),
                                     accepted=jnp.minimum(result.accepted, allowed))
         return dataclasses.replace(state, synced=synced, schedule=self.update_length(state.schedule, asked))

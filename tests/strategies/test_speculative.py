@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import types
 
 import jax
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 
 import jaxspec
 from jaxspec.schedule import Schedule, default_verify_costs
-from jaxspec.strategies.base import RoundResult
+from jaxspec.strategies.base import RoundResult, deciding_rows
 from tests.fixtures import hf_models, oracles
 from tests.fixtures.prompts import PROMPTS, left_padded
 
@@ -296,6 +297,31 @@ def test_a_batch_decides_its_width_together():
     assert schedule.allowed(most).tolist() == [7] * 8
     # Finished rows do not count: with only row 0 running, it drafts what pays for it alone.
     assert schedule.allowed(one_hot, active=np.array([True] + [False] * 7)).tolist() == [7] * 8
+
+
+def test_a_batch_drafts_for_its_rows_furthest_from_done():
+    """A batch runs until its last row is done, so it drafts for the running rows furthest from their budget
+    (`deciding_rows`): drafts that only speed a row already ahead buy the batch nothing. The round is then judged by
+    the choice made for those rows: a probe for the row behind is a probe (it backs off), although with the row ahead
+    weighed too the same state would have paid for a wide block."""
+    loop_state = types.SimpleNamespace(lengths=np.array([10, 12, 12, 11]), budget_end=np.full(4, 20),
+                                       done=np.array([False, False, True, False]))
+    assert deciding_rows(loop_state).tolist() == [True, False, False, False]  # 10 to go; the done row never decides
+    loop_state.lengths = np.array([11, 12, 12, 11])
+    assert deciding_rows(loop_state).tolist() == [True, False, False, True]  # ties decide together
+
+    schedule = Schedule("adaptive", draft_cost=0.3, **CPU_COSTS)
+    state = dataclasses.replace(schedule.init(2, np.int32(1)), accepted=np.array([0.0, 5.0], np.float32),
+                                judged=np.full(2, 5.0, np.float32))  # row 0 (behind) accepts nothing, row 1 all
+    assert schedule.allowed(state).tolist() == [7, 7]  # both rows weighed: row 1's drafts pay for the block
+    behind = np.array([True, False])
+    assert schedule.allowed(state, behind).tolist() == [1, 1] and bool(schedule.probing(state, behind))
+    result = RoundResult(drafted=np.array([1, 1]), accepted=np.array([0, 1]), committed=np.array([1, 2]), tokens=None,
+                         hidden=None, lengths=None, deciding=behind)
+    after = schedule.update(state, result, cap=7)
+    assert after.misses.tolist() == [1, 1] and after.cooldown[0] == after.cooldown[1] > 0  # a probe that did not pay
+    undecided = schedule.update(state, dataclasses.replace(result, deciding=None), cap=7)
+    assert undecided.misses.tolist() == [0, 0]  # judged by the other choice it would not count as a probe at all
 
 
 def test_heuristic_schedule_follows_transformers_rule():
