@@ -372,8 +372,8 @@ def spread_to_vocab(logits: jax.Array, ids: jax.Array, vocab_size: int) -> jax.A
 
     A gather through the inverse map, not a scatter of `logits` into a -inf array: the scatter takes its updates as
     [V', B] windows, so XLA computes the product that makes `logits` transposed, [V', D] x [D, B], a layout XLA:CPU
-    multiplies slowly. An EAGLE-3 head's draft logits ([8, 8192] of 49,152) took 47 ms that way on the 2-core CPU,
-    against 2.4 ms gathered (docs/design.md, 'EAGLE-3 heads').
+    multiplies slowly at a few rows: an EAGLE-3 head's draft then cost more than a target step at batch 8
+    (docs/design.md, 'Spreading the draft vocabulary').
     """
     draft_size = ids.shape[0]
     inverse = jnp.full((vocab_size,), draft_size, jnp.int32).at[ids].set(jnp.arange(draft_size, dtype=jnp.int32))

@@ -290,9 +290,8 @@ def deciding_rows(loop: DecodeState) -> jax.Array:
     A batch's rounds run until its last row is done. Drafts that speed only rows already ahead do not bring that end
     nearer, while every row pays for the wider verify block, so the batch drafts where the estimates of the rows
     furthest behind pay (the budget is what the loop knows of a row's end; one that stops at EOS counts until then).
-    At the start all rows tie and all decide. Weighing every running row instead drafted free-text batches at a loss:
-    with an EAGLE-3 head at batch 8 and 32, 0.85x and 0.89x plain decoding by the schedule's own prices, against
-    0.96x and 0.97x now; batches that copy give up a little at batch 8 (docs/design.md, 'Batches')."""
+    At the start all rows tie and all decide. Weighing every running row instead drafted free-text batches at a loss,
+    while batches that copy in bursts give up a little at batch 8 (docs/design.md, 'The rows a batch drafts for')."""
     remaining = jnp.where(loop.done, -1, loop.budget_end - loop.lengths)  # [B]
     return ~loop.done & (remaining == jnp.max(remaining))
 
