@@ -1,8 +1,8 @@
 """Time to the first token: what compiling the decode loop costs a user of the CLI, and where it goes, for this
 checkout beside another commit, in one run.
 
-    python benchmarks/bench_compile.py [--model smollm2-135m] [--strategies prompt_lookup,mtp,dflash,eagle3] [--baseline HEAD]
-        [--passes 1] [--results benchmarks/results]
+    python benchmarks/bench_compile.py [--model smollm2-135m] [--strategies prompt_lookup,mtp,dflash,eagle3]
+        [--baseline HEAD] [--passes 1] [--results benchmarks/results]
 
 **As a user meets it** (`cli` table): `scripts/generate.py --chat --max-new-tokens 16` in fresh processes that share
 one fresh compilation cache and one fresh step-cost file (the converted checkpoint is reused: converting is load

@@ -94,8 +94,8 @@ class BlockDrafter(Drafter):
 
             # The fewest of `drafts_drawn` that hold every row's limit.
             index = jnp.sum(jnp.asarray(self.drafts_drawn) < jnp.max(limit))
-            return jax.lax.switch(index, [functools.partial(draw, n) for n in self.drafts_drawn]), \
-                jnp.ones((), jnp.int32)
+            drafted = jax.lax.switch(index, [functools.partial(draw, n) for n in self.drafts_drawn])
+            return drafted, jnp.ones((), jnp.int32)
 
         (tokens, probs, weights), forwards = jax.lax.cond(jnp.any(limit > 0), run, skip, None)
         count = limit.astype(jnp.int32)

@@ -148,9 +148,9 @@ class PromptLookupDrafter(Drafter):
         lengths = jnp.minimum(jnp.sum(jnp.cumprod(valid, axis=2), axis=2), room_for_drafts(loop)[:, None])  # [B, F]
         state = Schedule.with_available(state, jnp.max(lengths, axis=1))  # the deepest match, as for a chain
         # The schedule's branching this round: the best match alone (a chain), or all of them.
-        branching = self.schedule.branching(state, deciding_rows(loop))
-        lengths = jnp.where(jnp.arange(branches)[None, :] < branching, lengths, 0)
-        allowed = self.schedule.allowed(state, deciding_rows(loop))  # [B] depth
+        deciding = deciding_rows(loop)
+        lengths = jnp.where(jnp.arange(branches)[None, :] < self.schedule.branching(state, deciding), lengths, 0)
+        allowed = self.schedule.allowed(state, deciding)  # [B] depth
         tree = continuation_trie(candidates, jnp.minimum(lengths, allowed[:, None]).astype(jnp.int32))
         if self.tree.selects:  # a budget below F D keeps the nodes of the best-ranked matches (a prefix is a tree)
             tree = tree.truncated(self.tree.nodes)
