@@ -52,6 +52,7 @@ from . import catalog, distributed, loading
 from .head import is_quantized
 from .layout import standard_layout
 from .loading import Model, _read_json, config_from_hf
+from .models.layers import abstract_module
 from .tokenizer import load_tokenizer
 
 FORMAT_VERSION = 2  # 2: Llama-family layers stored one array per layer (was stacked)
@@ -174,7 +175,7 @@ def _restore_module(model_cls, cfg, dtype, params_dir: str, mesh=None, sharding_
 
     from .sharding import ShardingRules, variable_sharding
 
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype)))
+    graphdef, state = nnx.split(abstract_module(lambda: model_cls(cfg, dtype=dtype)))
     _check_stored_params(params_dir, nnx.to_pure_dict(state))
     if mesh is not None:
         rules = sharding_rules or ShardingRules()

@@ -19,6 +19,7 @@ from flax import nnx
 from jaxspec.convert.errors import CheckpointError, read_json_object
 from jaxspec.convert.rules import CheckpointMismatch
 
+from .models.layers import abstract_module
 from .registry import family_for
 from .tokenizer import load_tokenizer
 
@@ -177,7 +178,7 @@ def build_sharded_module(family, cfg, dtype, source, mesh, sharding_rules=None, 
     from .sharding import ShardingRules, variable_sharding
 
     rules = sharding_rules or ShardingRules()
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: family.model_cls()(cfg, dtype=dtype)))
+    graphdef, state = nnx.split(abstract_module(lambda: family.model_cls()(cfg, dtype=dtype)))
     planner = getattr(importlib.import_module(family.convert_module), "plan_checkpoint", None)
     if planner is not None:
         plan = planner(cfg, source, np.dtype(dtype))
@@ -217,7 +218,7 @@ def build_sharded_module(family, cfg, dtype, source, mesh, sharding_rules=None, 
 
 def build_module(model_cls, cfg, dtype, params: dict[str, np.ndarray]) -> nnx.Module:
     """Instantiate the module abstractly (no random init at real sizes), then fill in the converted params."""
-    abstract = nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype))
+    abstract = abstract_module(lambda: model_cls(cfg, dtype=dtype))
     graphdef, state = nnx.split(abstract)
     # Each param takes the dtype the module declares: most follow `dtype`, but some must stay float32
     # (e.g. the MoE router's score-correction bias, whose rounding would change expert choices).

@@ -236,7 +236,7 @@ class Eagle3Head(nnx.Module):
         rngs = rngs or nnx.Rngs(0)
         for name, shape in param_shapes(cfg).items():
             setattr(self, name, nnx.Param(L.init_value(name, shape, dtype, rngs), logical_axes=PARAM_AXES[name]))
-        self.vocab_ids = DraftVocab(jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32))
+        self.vocab_ids = DraftVocab(L.initial_ids(cfg.draft_vocab_size))
 
     def params(self) -> dict[str, jax.Array]:
         return I.layer_params(self)

@@ -413,6 +413,8 @@ def layer_param_specs(cfg: GemmaConfig, layer: int) -> dict[str, tuple[tuple[int
 
 def _init_value(name: str, shape: tuple[int, ...], cfg: GemmaConfig, dtype, rngs: nnx.Rngs) -> jax.Array:
     """Random init for tests and abstract shapes; a norm starts at scale 1 (w = 0 when the scale is 1 + w)."""
+    if (abstract := L.shapes_only(shape, dtype)) is not None:
+        return abstract
     if "norm" in name or name == "layer_scalar":
         return jnp.full(shape, 0.0 if "norm" in name and cfg.norm_offset else 1.0, dtype)
     return (0.02 * jax.random.normal(rngs.params(), shape)).astype(dtype)

@@ -146,7 +146,9 @@ class Gemma4AssistantForCausalLM(nnx.Module):
         rngs = rngs or nnx.Rngs(0)
         for name, (shape, axes) in top_param_specs(cfg).items():
             if name == "token_ordering":  # a permutation of the vocabulary, kept exact in every param dtype
-                value = jax.random.permutation(rngs.params(), cfg.vocab_size).astype(jnp.int32)
+                value = L.shapes_only(shape, jnp.int32)
+                if value is None:
+                    value = jax.random.permutation(rngs.params(), cfg.vocab_size).astype(jnp.int32)
             else:
                 value = _init_value(name, shape, cfg.text, dtype, rngs)
             setattr(self, name, nnx.Param(value, logical_axes=axes))

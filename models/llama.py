@@ -255,7 +255,7 @@ class LlamaForCausalLM(nnx.Module):
         if cfg.num_mtp_layers:
             self.mtp_layers = nnx.List([LlamaMtpLayer(cfg, dtype, rngs) for _ in range(cfg.num_mtp_layers)])
         if cfg.draft_vocab_size:
-            self.draft_vocab = DraftVocab(jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32))
+            self.draft_vocab = DraftVocab(L.initial_ids(cfg.draft_vocab_size))
 
     # -- pieces, so drafters can run part of the network ---------------------------------------------------------
 

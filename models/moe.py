@@ -430,10 +430,13 @@ class MoeCausalLM(nnx.Module):
         rngs = rngs or nnx.Rngs(0)
         for name, shape in stack_shapes(cfg, self.attention_shapes()).items():
             base = name.removeprefix(MTP_PREFIX)
-            if "norm" in base:
+            param_dtype = jnp.float32 if name in FLOAT32_PARAMS else dtype
+            if (abstract := L.shapes_only(shape, param_dtype)) is not None:
+                value = abstract
+            elif "norm" in base:
                 value = jnp.ones(shape, dtype)
             elif base in ("router_bias", "bq", "bk", "bv"):
-                value = jnp.zeros(shape, jnp.float32 if name in FLOAT32_PARAMS else dtype)
+                value = jnp.zeros(shape, param_dtype)
             else:
                 value = (0.02 * jax.random.normal(rngs.params(), shape)).astype(dtype)
             setattr(self, name, nnx.Param(value, logical_axes=param_axes(name, self.ATTENTION_AXES)))

@@ -6,7 +6,7 @@
 
 `python scripts/plan.py ...` runs the same. CONFIG is a folder or config.json, or a name in
 jaxspec/cli/plan_configs.json (the public config.json of deepseek-v3, glm-4.5-air and glm-4.5). Every param, cache
-and MTP buffer is laid out exactly as jaxspec lays it out: the module is built abstractly (`nnx.eval_shape`), each
+and MTP buffer is laid out exactly as jaxspec lays it out: the module is built abstractly (`abstract_module`), each
 array's logical axes go through the same `ShardingRules`, and a dimension that its mesh axis does not divide is
 replicated. Printed per device: weights by dtype (of which MTP layers), the target's KV or latent cache at `--batch`
 rows of `--max-len` positions (the cache also holds the draft window, and generate rounds its length up as
@@ -97,6 +97,7 @@ def plan(hf: dict, label: str, mesh: dict[str, int], dtype: str, batch: int, max
     import numpy as np
     from flax import nnx
 
+    from jaxspec.models.layers import abstract_module
     from jaxspec.prompts import buffer_size
     from jaxspec.registry import family_for
     from jaxspec.strategies import default_prefill_chunk
@@ -105,7 +106,7 @@ def plan(hf: dict, label: str, mesh: dict[str, int], dtype: str, batch: int, max
     rules = ShardingRules()
     family = family_for(hf, label)
     cfg = family.config_from_hf(hf)
-    module = nnx.eval_shape(lambda: family.model_cls()(cfg, dtype=jnp.dtype(dtype)))
+    module = abstract_module(lambda: family.model_cls()(cfg, dtype=jnp.dtype(dtype)))
 
     def per_device(shape, dtype, axes) -> float:
         return math.prod(shard_shape(axes, shape, mesh, rules)) * np.dtype(dtype).itemsize

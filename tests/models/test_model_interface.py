@@ -16,6 +16,7 @@ import transformers
 from flax import nnx
 
 from jaxspec import registry
+from jaxspec.models.layers import abstract_module
 from jaxspec.model_interface import (BlockDrafterModel, CausalLM, DrafterModel, DraftVocabModel, Eagle3HeadModel, MtpModel,
                                      SharedKvModel)
 
@@ -186,3 +187,23 @@ def test_a_renamed_parameter_fails_the_check():
         "('positions', <class 'inspect._empty'>), ('cache', <class 'inspect._empty'>), ('start', 0), ('stop', None), "
         "('tree', None)]"
     ]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_abstract_module_is_what_eval_shape_builds(case):
+    """Loading builds modules with `abstract_module` (no initialiser traced); it must give what `nnx.eval_shape`
+    gives: the same graph, every param a ShapeDtypeStruct of the same shape and dtype."""
+    model_type, hf_config, _ = CASES[case]
+    family = registry.FAMILIES[model_type]
+    cfg = family.config_from_hf(hf_config)
+
+    def build():
+        return family.model_cls()(cfg, dtype=jnp.bfloat16)
+
+    expected_graph, expected = nnx.split(nnx.eval_shape(build))
+    graph, state = nnx.split(abstract_module(build))
+    assert graph == expected_graph
+    leaves = jax.tree.leaves(state)
+    assert leaves and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == jax.tree.map(lambda x: (x.shape, x.dtype), expected)
+    assert not isinstance(jax.tree.leaves(nnx.state(build()))[0], jax.ShapeDtypeStruct)  # outside it: real values
