@@ -1,8 +1,8 @@
 """What a decoding round costs inside the compiled loop, by the number of drafts it verifies, against a plain step.
 
     python benchmarks/bench_round_cost.py [--model smollm2-135m] [--drafts 0,1,3,7] [--max-draft 10] [--repeats 4]
-        [--assistant smollm2-135m --assistant-drafts 1,2] [--random-config CONFIG.json [--prompt-tokens N]] [--batch B]
-        [--results benchmarks/results]
+        [--assistant smollm2-135m --assistant-drafts 1,2] [--idle mtp,prompt_lookup,dflash,eagle3]
+        [--random-config CONFIG.json [--prompt-tokens N]] [--batch B] [--results benchmarks/results]
 
 A drafter that proposes d fixed tokens every round (all of them rejected, so every round commits one token) runs
 through `jaxspec.generate`'s loop with K = `--max-draft`, next to plain decoding, on the story prompt of
@@ -22,6 +22,12 @@ side in one run.
   head step per draft after the first: the difference between its d = 1 and d = 4 rounds, beyond the fixed drafts',
   is three head steps.
 
+`--idle mtp,prompt_lookup,dflash,eagle3`: each strategy's own loop (the drafter jaxspec ships for `--model`: its MTP
+layers, its DFlash drafter, its EAGLE-3 head) forced to draft nothing, by the same run-time input jaxspec/costs.py
+times that round with: what the strategy costs a round in which the adaptive schedule declines to draft, the floor of
+its speed on text it cannot predict. The schedule prices its drafts against this round, so a cost here is one its
+model does not see (docs/design.md, 'Batches').
+
 `--random-config CONFIG.json`: instead of `--model`, a target of that Hugging Face config's shape with random weights
 (in jaxspec's default dtype: bfloat16 on accelerators) and a prompt of random token ids as long as the story's. A
 round's cost needs no trained weights, since the fixed drafts are timed whatever is accepted, so this times the rounds
@@ -36,6 +42,7 @@ siblings in benchmarks/ (the prompt set, the record) import because Python puts 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -56,6 +63,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--assistant", default=None, help="a catalogue name or path: also time its drafting rounds")
     p.add_argument("--assistant-drafts", default="1,2")
+    p.add_argument("--idle", default="", help="strategies whose loop is timed forced to draft nothing: "
+                   + ",".join(IDLE_STRATEGIES))
     p.add_argument("--random-config", default=None,
                    help="an HF config.json: time a target of its shape with random weights instead of --model")
     p.add_argument("--batch", type=int, default=1, help="rows, each the same prompt")
@@ -63,8 +72,11 @@ def main(argv=None) -> None:
                    help=f"the random prompt's length (default {STORY_TOKENS}, the story's); only with --random-config")
     add_results_argument(p)
     args = p.parse_args(argv)
-    if args.random_config and args.assistant:
-        p.error("--assistant drafts for a trained target: it cannot be combined with --random-config")
+    if args.random_config and (args.assistant or args.idle):
+        p.error("--assistant and --idle draft for a trained target: they cannot be combined with --random-config")
+    idle = [name for name in args.idle.split(",") if name]
+    if set(idle) - set(IDLE_STRATEGIES):
+        p.error(f"--idle takes {', '.join(IDLE_STRATEGIES)}, not {', '.join(sorted(set(idle) - set(IDLE_STRATEGIES)))}")
     if args.prompt_tokens != STORY_TOKENS and not args.random_config:
         p.error("--prompt-tokens sets the random prompt of --random-config; --model runs the story prompt")
     if args.batch < 1 or args.prompt_tokens < 1:
@@ -106,7 +118,13 @@ def main(argv=None) -> None:
         drafters[f"K={args.max_draft}, {d} draft(s)"] = FixedDrafts(max_draft=args.max_draft, drafts=d)
 
     def per_round(drafter) -> tuple[float, int]:
-        if isinstance(drafter, dict):  # a real assistant's arguments to jaxspec.generate
+        if isinstance(drafter, IdleStrategy):
+            with forced_to_draft_nothing():
+                out = jaxspec.generate(model, ids, max_new_tokens=args.max_new_tokens, eos_token_id=[],
+                                       **drafter.arguments)
+            if out.drafted.sum():
+                raise RuntimeError(f"{drafter.name} drafted although forced not to (its schedule is not priced here)")
+        elif isinstance(drafter, dict):  # a real assistant's arguments to jaxspec.generate
             out = jaxspec.generate(model, ids, max_new_tokens=args.max_new_tokens, eos_token_id=[], **drafter)
         else:
             out = generate_with_drafter(model, ids, None, drafter, settings)
@@ -124,6 +142,9 @@ def main(argv=None) -> None:
             drafters[f"{args.assistant}, {d} draft(s)"] = dict(
                 assistant_model=assistant, num_assistant_tokens=d, num_assistant_tokens_schedule="constant",
                 **no_confidence_stop)
+
+    for name in idle:
+        drafters[f"{name}, forced to draft nothing"] = IdleStrategy(name, idle_arguments(name, args.model))
 
     for drafter in drafters.values():
         per_round(drafter)  # compile
@@ -146,6 +167,45 @@ def main(argv=None) -> None:
                      "vs_plain_step": ms / plain})
     record.write(rows, [args.model], title=title,
                  settings={k: v for k, v in vars(args).items() if k not in ("model", "results")})
+
+
+IDLE_STRATEGIES = ("mtp", "prompt_lookup", "dflash", "eagle3")
+
+
+@dataclasses.dataclass(frozen=True)
+class IdleStrategy:
+    name: str
+    arguments: dict  # jaxspec.generate's arguments that select it
+
+
+def idle_arguments(name: str, model_name: str) -> dict:
+    """`jaxspec.generate`'s arguments for strategy `name` with the drafter jaxspec ships for `model_name`."""
+    import jaxspec
+
+    if name == "mtp":
+        return {"use_mtp": True}
+    if name == "prompt_lookup":
+        return {"prompt_lookup_num_tokens": 10}
+    return {"assistant_model": jaxspec.load(f"{model_name}-{name}")}
+
+
+@contextlib.contextmanager
+def forced_to_draft_nothing():
+    """Calls of `jaxspec.generate` inside run every round forced to draft nothing at verify width 1: the run-time
+    input (`LoopInputs.forcing`) that jaxspec/costs.py times a round of the loop with, applied where a call takes its
+    prices."""
+    generate_module = sys.modules["jaxspec.generate"]  # the module: `jaxspec.generate` is the function
+    priced = generate_module._Call.priced
+
+    def idle(call, prices):
+        call = priced(call, prices)
+        return dataclasses.replace(call, inputs=call.inputs.forcing(0, 1))
+
+    generate_module._Call.priced = idle
+    try:
+        yield
+    finally:
+        generate_module._Call.priced = priced
 
 
 STORY_TOKENS = 180  # a chat prompt's length in the benchmarks (device_check's two are 176 and 177 SmolLM2 tokens)

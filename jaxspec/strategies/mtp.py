@@ -122,41 +122,56 @@ class MtpDrafter(Drafter):
         carry = (state.caches, state.outputs, state.synced, sequence, loop.tokens,
                  _input_states(state.main_hidden, state.outputs, 0, window),  # [B, K+1, D] depth 0's input
                  jnp.zeros((), jnp.int32))
-        drafted = []  # per depth: (candidates [B, F], their laws [B, F, V] or None, weights [B, F + 1] or None)
-        for depth, step_rng in enumerate(jax.random.split(rng, k)):
+        depth_rngs = jax.random.split(rng, k)
 
-            def run_depth(carry, depth=depth, step_rng=step_rng):
-                caches, outputs, synced, sequence, buffer, prev, forwards = carry
-                # Positions below the window's start that this depth has not run on since it last drafted.
-                caches, outputs, caught_up = self._catch_up(ctx, loop, state.main_hidden, caches, outputs,
-                                                            synced[depth], window[:, 0] + depth, depth)
-                # Entries below position depth+1 do not exist; clipping sends them to slots attention never reads.
-                positions = jnp.clip(window + depth, 0, size - 1)
-                out, _, caches = target.mtp_step(depth, sequence[:, depth: depth + k + 1], prev, positions, caches,
-                                                 layer=self.layer(depth))
-                outputs = _write_output(outputs, depth, positions, out)
-                synced = synced.at[depth].set(loop.lengths)  # the window reached L-1: every committed entry
-                logits = draft_logits(out[:, -1])  # [B, V]: predicts position L + depth
-                processed = ctx.process(logits[:, None], buffer, loop.lengths + depth, loop.prompt_lengths)[:, 0]
-                # The chain's token first (a chain: `select`'s draw), then a tree's alternatives.
-                candidates, q = draw_candidates(step_rng, processed, branches, ctx.do_sample, self.keep_probs)
-                token = candidates[:, 0]
-                weights = candidate_weights(jax.nn.softmax(processed), token, branches) if selects else None
-                sequence = sequence.at[:, k + 1 + depth].set(token)
-                buffer = buffer.at[rows, loop.lengths + depth].set(token, mode="drop")
-                # depth+1's entry at i reads depth's output at i-1: the same window, shifted by one
-                return (caches, outputs, synced, sequence, buffer, out, forwards + 1 + caught_up), (candidates, q,
-                                                                                                   weights)
+        def run_depth(carry, depth: int):
+            caches, outputs, synced, sequence, buffer, prev, forwards = carry
+            # Positions below the window's start that this depth has not run on since it last drafted.
+            caches, outputs, caught_up = self._catch_up(ctx, loop, state.main_hidden, caches, outputs,
+                                                        synced[depth], window[:, 0] + depth, depth)
+            # Entries below position depth+1 do not exist; clipping sends them to slots attention never reads.
+            positions = jnp.clip(window + depth, 0, size - 1)
+            out, _, caches = target.mtp_step(depth, sequence[:, depth: depth + k + 1], prev, positions, caches,
+                                             layer=self.layer(depth))
+            outputs = _write_output(outputs, depth, positions, out)
+            synced = synced.at[depth].set(loop.lengths)  # the window reached L-1: every committed entry
+            logits = draft_logits(out[:, -1])  # [B, V]: predicts position L + depth
+            processed = ctx.process(logits[:, None], buffer, loop.lengths + depth, loop.prompt_lengths)[:, 0]
+            # The chain's token first (a chain: `select`'s draw), then a tree's alternatives.
+            candidates, q = draw_candidates(depth_rngs[depth], processed, branches, ctx.do_sample,
+                                            self.keep_probs)
+            token = candidates[:, 0]
+            weights = candidate_weights(jax.nn.softmax(processed), token, branches) if selects else None
+            sequence = sequence.at[:, k + 1 + depth].set(token)
+            buffer = buffer.at[rows, loop.lengths + depth].set(token, mode="drop")
+            # depth+1's entry at i reads depth's output at i-1: the same window, shifted by one
+            return (caches, outputs, synced, sequence, buffer, out, forwards + 1 + caught_up), (candidates, q,
+                                                                                               weights)
 
-            def skip_depth(carry):
-                q = jnp.zeros((batch, branches, vocab), jnp.float32) if self.keep_probs else None
-                weights = jnp.zeros((batch, branches + 1), jnp.float32) if selects else None
-                return carry, (jnp.zeros((batch, branches), jnp.int32), q, weights)
+        def skip_depth(carry):
+            q = jnp.zeros((batch, branches, vocab), jnp.float32) if self.keep_probs else None
+            weights = jnp.zeros((batch, branches + 1), jnp.float32) if selects else None
+            return carry, (jnp.zeros((batch, branches), jnp.int32), q, weights)
 
-            carry, candidates = inplace.cond(depths_needed > depth, run_depth, skip_depth, carry)
-            drafted.append(candidates)
+        def stacked(drafted):  # per depth (candidates [B, F], laws [B, F, V] or None, weights [B, F+1] or None)
+            return jax.tree.map(lambda *depths: jnp.stack(depths, axis=1), *drafted)  # -> [B, K, F, ..]
+
+        def run_depths(carry):
+            carry, first = run_depth(carry, 0)
+            drafted = [first]
+            for depth in range(1, k):
+                carry, candidates = inplace.cond(depths_needed > depth, functools.partial(run_depth, depth=depth),
+                                                 skip_depth, carry)
+                drafted.append(candidates)
+            return carry, stacked(drafted)
+
+        def skip_depths(carry):
+            return carry, stacked([skip_depth(carry)[1]] * k)
+
+        # A round in which no row drafts enters one branch, not one per depth: at batch 32 the three skipped depths'
+        # branches cost 8-9% of a plain step, one branch 1-2% (docs/design.md, 'Batches').
+        carry, (tokens, probs, weights) = inplace.cond(depths_needed > 0, run_depths, skip_depths, carry)
         caches, outputs, synced, *_, forwards = carry
-        tokens, probs, weights = jax.tree.map(lambda *depths: jnp.stack(depths, axis=1), *drafted)  # [B, K, F, ..]
         if self.tree is not None:  # the chain with its alternatives at every depth
             branching = self.schedule.branching(state.length, deciding_rows(loop))
             draft = Draft.of_tree(sibling_tree(tokens, count, probs, branching, weights, self.tree.nodes))
