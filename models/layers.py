@@ -389,9 +389,9 @@ _SHAPES_ONLY = contextvars.ContextVar("jaxspec_shapes_only", default=False)
 def abstract_module(build: Callable[[], Any]) -> Any:
     """The module `build()` makes, every param a `jax.ShapeDtypeStruct`: what `nnx.eval_shape(build)` gives, without
     tracing each param's initialiser. Loading fills a module built this way (and builds one again to attach MTP
-    layers), and tracing SmolLM2's random initialisers took about 0.9 s a build where this takes 0.02 s. The
-    families' initialisers (`init_value`, `shapes_only`) honour it; tests/models/test_model_interface.py checks
-    every family against `nnx.eval_shape`."""
+    layers), and tracing a model's random initialisers took most of a build (docs/design.md, 'Loading before the
+    compile'). The families' initialisers (`init_value`, `shapes_only`) honour it; tests/models/test_model_interface.py
+    checks every family against `nnx.eval_shape`."""
     token = _SHAPES_ONLY.set(True)
     try:
         return build()

@@ -168,8 +168,9 @@ class MtpDrafter(Drafter):
         def skip_depths(carry):
             return carry, stacked([skip_depth(carry)[1]] * k)
 
-        # A round in which no row drafts enters one branch, not one per depth: at batch 32 the three skipped depths'
-        # branches cost 8-9% of a plain step, one branch 1-2% (docs/design.md, 'Batches').
+        # A round in which no row drafts enters one branch, not one per depth: entering every depth's branch to skip
+        # it made such a round dearer than a plain step, a cost the schedule's prices (in idle rounds) cannot see
+        # (docs/design.md, 'A round that drafts nothing').
         carry, (tokens, probs, weights) = inplace.cond(depths_needed > 0, run_depths, skip_depths, carry)
         caches, outputs, synced, *_, forwards = carry
         if self.tree is not None:  # the chain with its alternatives at every depth
