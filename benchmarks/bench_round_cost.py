@@ -22,8 +22,8 @@ side in one run.
   head step per draft after the first: the difference between its d = 1 and d = 4 rounds, beyond the fixed drafts',
   is three head steps.
 
-`--idle mtp,prompt_lookup,dflash,eagle3`: each strategy's own loop (the drafter jaxspec ships for `--model`: its MTP
-layers, its DFlash drafter, its EAGLE-3 head) forced to draft nothing, by the same run-time input jaxspec/costs.py
+`--idle mtp,prompt_lookup,dflash,eagle3`: each strategy's own loop, as bench_batch.py runs it (the MTP layers, DFlash
+drafter and EAGLE-3 head jaxspec ships for SmolLM2) forced to draft nothing, by the same run-time input jaxspec/costs.py
 times that round with: what the strategy costs a round in which the adaptive schedule declines to draft, the floor of
 its speed on text it cannot predict. The schedule prices its drafts against this round, so a cost here is one its
 model does not see (docs/design.md, 'Batches').
@@ -51,6 +51,7 @@ import sys
 import numpy as np
 
 from _bench_prompts import STORY, chat_ids
+from bench_batch import STRATEGY_KWARGS
 from _record import Record, add_results_argument
 
 
@@ -144,7 +145,7 @@ def main(argv=None) -> None:
                 **no_confidence_stop)
 
     for name in idle:
-        drafters[f"{name}, forced to draft nothing"] = IdleStrategy(name, idle_arguments(name, args.model))
+        drafters[f"{name}, forced to draft nothing"] = IdleStrategy(name, idle_arguments(name))
 
     for drafter in drafters.values():
         per_round(drafter)  # compile
@@ -178,15 +179,15 @@ class IdleStrategy:
     arguments: dict  # jaxspec.generate's arguments that select it
 
 
-def idle_arguments(name: str, model_name: str) -> dict:
-    """`jaxspec.generate`'s arguments for strategy `name` with the drafter jaxspec ships for `model_name`."""
+def idle_arguments(name: str) -> dict:
+    """`jaxspec.generate`'s arguments for strategy `name`, as bench_batch.py runs it (the drafters jaxspec ships for
+    SmolLM2)."""
     import jaxspec
 
-    if name == "mtp":
-        return {"use_mtp": True}
-    if name == "prompt_lookup":
-        return {"prompt_lookup_num_tokens": 10}
-    return {"assistant_model": jaxspec.load(f"{model_name}-{name}")}
+    arguments = dict(STRATEGY_KWARGS[name])
+    if isinstance(arguments.get("assistant_model"), str):  # a catalogue name
+        arguments["assistant_model"] = jaxspec.load(arguments["assistant_model"])
+    return arguments
 
 
 @contextlib.contextmanager
