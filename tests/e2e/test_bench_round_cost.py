@@ -48,3 +48,18 @@ def test_prompt_tokens_needs_a_random_config():
 
     with pytest.raises(SystemExit):
         bench_round_cost.main(["--prompt-tokens", "40"])
+
+
+def test_idle_names_the_strategies_it_takes(capsys):
+    import bench_round_cost
+
+    with pytest.raises(SystemExit):
+        bench_round_cost.main(["--idle", "mtp,lookahead"])
+    assert "--idle takes mtp, prompt_lookup, dflash, eagle3, not lookahead" in capsys.readouterr().err
+
+
+def test_idle_strategies_run_as_bench_batch_runs_them():
+    import bench_batch
+    import bench_round_cost
+
+    assert set(bench_round_cost.IDLE_STRATEGIES) <= set(bench_batch.STRATEGY_KWARGS)
