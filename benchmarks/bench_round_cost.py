@@ -26,7 +26,7 @@ side in one run.
 drafter and EAGLE-3 head jaxspec ships for SmolLM2) forced to draft nothing, by the same run-time input jaxspec/costs.py
 times that round with: what the strategy costs a round in which the adaptive schedule declines to draft, the floor of
 its speed on text it cannot predict. The schedule prices its drafts against this round, so a cost here is one its
-model does not see (docs/design.md, 'Batches').
+model does not see (docs/design.md, 'A round that drafts nothing').
 
 `--random-config CONFIG.json`: instead of `--model`, a target of that Hugging Face config's shape with random weights
 (in jaxspec's default dtype: bfloat16 on accelerators) and a prompt of random token ids as long as the story's. A
@@ -51,8 +51,8 @@ import sys
 import numpy as np
 
 from _bench_prompts import STORY, chat_ids
-from bench_batch import STRATEGY_KWARGS
 from _record import Record, add_results_argument
+from bench_batch import STRATEGY_KWARGS
 
 
 def main(argv=None) -> None:
