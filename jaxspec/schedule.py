@@ -339,17 +339,20 @@ class Schedule:
                                     state.branch_accepted)
         branch_judged = jnp.where(branched, self.DECAY * state.branch_judged + judged, state.branch_judged)
         judged = jnp.where(tried, self.DECAY * state.judged + judged, state.judged)
-        probe_round = depth == 0
         # A probe is judged by what the batch (its deciding rows) got from it, as any round is: a row's hit in a probe
         # whose tokens did not pay for the batch's round still counts as a miss, so the rows back off together. Were a
         # hit to make its row due again at once, a batch of rows that each hit now and then would probe nearly every
-        # round (docs/design.md, 'Batches'). At batch 1 a hit's two tokens pay for any probe that costs less than two
-        # plain steps, so a lone row that hits probes again at once.
+        # round (docs/design.md, 'Batches'). A running row that had nothing to propose in a probe (prompt lookup's row
+        # without a match) backs off with the rest: were it due whenever it next matched, a batch whose rows match at
+        # different times would probe twice as often as one row. At batch 1 a hit's two tokens pay for any probe that
+        # costs less than two plain steps, so a lone row that hits probes again at once.
+        probe_round = jnp.any(tried) & (depth == 0)
         probe_tokens = jnp.sum(jnp.where(deciding, jnp.where(tried, result.accepted, 0) + 1, 0))
         probe_paid = (probe_tokens >= self.round_price(jnp.ones((), jnp.int32)) * jnp.sum(deciding)
                       if self.priced else True)
-        missed = tried & probe_round & ((result.accepted == 0) | ~probe_paid)
-        misses = jnp.where(missed, state.misses + 1, jnp.where(tried & (result.accepted > 0), 0, state.misses))
+        hit = tried & (result.accepted > 0)
+        missed = active & probe_round & ~(hit & probe_paid)
+        misses = jnp.where(missed, state.misses + 1, jnp.where(hit, 0, state.misses))
         backoff = jnp.minimum(jnp.left_shift(1, jnp.clip(misses - 1, 0, 8)), MAX_COOLDOWN) * self.probe_spacing
         cooldown = jnp.where(missed, backoff, jnp.where(active, jnp.maximum(state.cooldown - 1, 0), state.cooldown))
         num_tokens = jnp.where(tried, result.drafted, state.num_tokens)

@@ -241,17 +241,21 @@ def test_a_doubted_first_draft_counts_as_a_rejected_one():
 def test_a_batch_backs_off_together_when_its_probe_does_not_pay():
     """A probe is judged by what the whole batch got from it. At batch 8 a probe of one draft costs its two-wide block
     and a draft for every row: two rows' hits do not pay for it, so every row that drafted counts a miss and the
-    batch backs off together (were each hit to make its row due at once, a batch of rows that hit now and then
-    would probe nearly every round). Hits that pay keep their rows due; a lone row's hit always pays."""
+    batch backs off together (were each hit to make its row due at once, a batch of rows that hit now and then would
+    probe nearly every round). Hits that pay keep their rows due; a lone row's hit always pays. A row that had
+    nothing to propose in the probe (prompt lookup without a match) backs off with the rest, or it would be due
+    whenever it next matched, and a batch whose rows match at different times would probe more often than one row."""
     schedule = Schedule("adaptive", draft_cost=0.3, **CPU_COSTS)  # a probe: 1.2 + 0.3 plain steps a row
 
-    def probe(rows: int, hits: list[int]):
+    def probe(rows: int, hits: list[int], available=None):
         idle = dataclasses.replace(schedule.init(rows, np.int32(1)), accepted=np.zeros(rows, np.float32),
                                    judged=np.full(rows, 5.0, np.float32))
+        if available is not None:
+            idle = Schedule.with_available(idle, np.array(available))
         assert bool(schedule.probing(idle)) and schedule.allowed(idle).tolist() == [1] * rows
         hit = np.array(hits)
-        result = RoundResult(drafted=np.ones(rows, np.int32), accepted=hit, committed=hit + 1, tokens=None,
-                             hidden=None, lengths=None)
+        drafted = np.ones(rows, np.int32) if available is None else np.minimum(np.array(available), 1)
+        result = RoundResult(drafted=drafted, accepted=hit, committed=hit + 1, tokens=None, hidden=None, lengths=None)
         return schedule.update(idle, result, cap=7)
 
     unpaid = probe(8, [1, 1, 0, 0, 0, 0, 0, 0])  # 10 tokens for 8 x 1.5 plain steps
@@ -261,6 +265,10 @@ def test_a_batch_backs_off_together_when_its_probe_does_not_pay():
     assert paid.misses.tolist() == [0] * 7 + [1] and paid.cooldown.tolist()[:7] == [0] * 7 and paid.cooldown[7] > 0
     alone = probe(1, [1])  # 2 tokens for 1.5 plain steps
     assert alone.misses.tolist() == [0] and alone.cooldown.tolist() == [0]
+    # Rows 4-7 had nothing to copy: they neither drafted nor were judged, yet they wait with the rows that missed.
+    partial = probe(8, [0] * 8, available=[3] * 4 + [0] * 4)
+    assert partial.misses.tolist() == [1] * 8 and len(set(partial.cooldown.tolist())) == 1 and partial.cooldown[0] > 0
+    assert np.allclose(partial.judged[4:], 5.0)
 
 
 def test_rows_with_nothing_to_copy_neither_buy_a_block_nor_probe():
