@@ -31,7 +31,7 @@ class DraftLength:
     """Each row's draft-length schedule state."""
 
     num_tokens: jax.Array  # [B] the row's draft length (constant, heuristic), or the adaptive schedule's last choice
-    misses: jax.Array  # [B] adaptive: probes in a row that accepted nothing
+    misses: jax.Array  # [B] adaptive: probes in a row that did not pay (or that the row sat out, with no draft)
     cooldown: jax.Array  # [B] adaptive: rounds until the next probe, while drafting does not pay
     accepted: jax.Array  # [B] float, adaptive: decayed count of accepted drafts (prior pseudo-counts included)
     judged: jax.Array  # [B] float, adaptive: decayed count of drafts verification judged (accepted or the rejected one)
@@ -344,7 +344,7 @@ class Schedule:
         # hit to make its row due again at once, a batch of rows that each hit now and then would probe nearly every
         # round (docs/design.md, 'Batches'). A running row that had nothing to propose in a probe (prompt lookup's row
         # without a match) backs off with the rest: were it due whenever it next matched, a batch whose rows match at
-        # different times would probe twice as often as one row. At batch 1 a hit's two tokens pay for any probe that
+        # different times would probe more often than one row. At batch 1 a hit's two tokens pay for any probe that
         # costs less than two plain steps, so a lone row that hits probes again at once.
         probe_round = jnp.any(tried) & (depth == 0)
         probe_tokens = jnp.sum(jnp.where(deciding, jnp.where(tried, result.accepted, 0) + 1, 0))
