@@ -262,10 +262,16 @@ class Schedule:
         active = _all_rows(state) if active is None else active
         return (self.paying_length(state, active) == 0) & jnp.any(self._due(state, active)) & ~self.forced
 
-    @staticmethod
-    def _due(state: DraftLength, active: jax.Array) -> jax.Array:
-        """[B] rows that would probe: running, out of their cooldown, with something to propose."""
-        return active & (state.cooldown == 0) & (state.available > 0)
+    def _due(self, state: DraftLength, active: jax.Array) -> jax.Array:
+        """[B] rows that would probe: running, out of their cooldown, with something to propose, and only where some
+        draft length could pay at all."""
+        return active & (state.cooldown == 0) & (state.available > 0) & self.drafting_can_pay()
+
+    def drafting_can_pay(self) -> jax.Array:
+        """[] bool: whether any draft length would pay on text the drafter predicts perfectly, where d drafts commit
+        d + 1 tokens. Where not even that beats d + 1 plain steps (an assistant that costs more than the target it
+        drafts for, with its catch-up: docs/design.md, 'Probes'), a probe can find nothing worth drafting."""
+        return jnp.any(jnp.asarray(self.widths) > self.round_costs())
 
     def paying_length(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
         """[] the draft length with the most expected tokens per cost over the batch's `active` rows (adaptive); 0

@@ -271,6 +271,26 @@ def test_a_batch_backs_off_together_when_its_probe_does_not_pay():
     assert np.allclose(partial.judged[4:], 5.0)
 
 
+def test_a_drafter_that_could_never_pay_never_probes():
+    """Probes look for text the drafter predicts. Where not even text it predicts perfectly (d drafts committing d + 1
+    tokens) pays for a round, as for an assistant that costs more than the target with its catch-up (universal
+    decoding of Qwen 0.5B by SmolLM2 on a CPU: a block of 2 at 1.97 plain steps, 0.55 a draft, 2.07 a drafting
+    round), a probe finds nothing, so the batch never drafts; priced a little cheaper, the same rows probe."""
+    widths, verify = (1, 2, 4, 5), (1.0, 1.974, 3.763, 3.763)
+    hopeless = Schedule("adaptive", draft_cost=0.549, round_cost=2.071, widths=widths, verify_costs=verify)
+    idle = dataclasses.replace(hopeless.init(4, np.int32(1)), accepted=np.zeros(4, np.float32),
+                               judged=np.full(4, 5.0, np.float32))  # cooldowns over: due, were drafting possible
+    assert not bool(hopeless.drafting_can_pay())
+    assert hopeless.allowed(idle).tolist() == [0] * 4 and not bool(hopeless.probing(idle))
+    certain = dataclasses.replace(idle, accepted=np.full(4, 5.0, np.float32))  # even rows that accept everything
+    assert hopeless.allowed(certain).tolist() == [0] * 4
+    cheaper = dataclasses.replace(hopeless, round_cost=0.5)  # 5 tokens for 3.763 + 4 x 0.549 + 0.5 = 6.46: no
+    assert not bool(cheaper.drafting_can_pay())
+    cheapest = dataclasses.replace(hopeless, draft_cost=0.1, round_cost=0.1)  # 5 tokens for 4.26: yes
+    assert bool(cheapest.drafting_can_pay()) and bool(cheapest.probing(idle))
+    assert cheapest.allowed(idle).tolist() == [1] * 4
+
+
 def test_rows_with_nothing_to_copy_neither_buy_a_block_nor_probe():
     """Prompt lookup knows each row's match before the batch decides (Schedule.with_available): a row without one
     gains nothing from a wide block, so one copying row of eight does not buy [8, W] for the batch, and a batch with
