@@ -275,7 +275,8 @@ def test_a_drafter_that_could_never_pay_never_probes():
     """Probes look for text the drafter predicts. Where not even text it predicts perfectly (d drafts committing d + 1
     tokens) pays for a round, as for an assistant that costs more than the target with its catch-up (universal
     decoding of Qwen 0.5B by SmolLM2 on a CPU: a block of 2 at 1.97 plain steps, 0.55 a draft, 2.07 a drafting
-    round), a probe finds nothing, so the batch never drafts; priced a little cheaper, the same rows probe."""
+    round), a probe finds nothing, so the batch never drafts; priced so that a perfectly predicted block would pay,
+    the same rows probe."""
     widths, verify = (1, 2, 4, 5), (1.0, 1.974, 3.763, 3.763)
     hopeless = Schedule("adaptive", draft_cost=0.549, round_cost=2.071, widths=widths, verify_costs=verify)
     idle = dataclasses.replace(hopeless.init(4, np.int32(1)), accepted=np.zeros(4, np.float32),
