@@ -26,7 +26,9 @@ CALLS = {
     "mtp": dict(use_mtp=True),
     "lookup": dict(prompt_lookup_num_tokens=3),
     "early_exit": dict(assistant_early_exit=1, num_assistant_tokens=2),
-    "assistant": dict(num_assistant_tokens=2),  # the model drafts for itself, as a second sharded model
+    # The model drafts for itself, as a second sharded model, every round: the adaptive schedule would never draft
+    # for an assistant as costly as the target (Schedule.drafting_can_pay)
+    "assistant": dict(num_assistant_tokens=2, num_assistant_tokens_schedule="constant"),
 }
 
 
