@@ -46,10 +46,21 @@ STRATEGY_KWARGS = {
     "prompt_lookup": dict(prompt_lookup_num_tokens=10),
     "early_exit": None,  # assistant_early_exit: half the target's layers (set in main)
     "mtp": dict(use_mtp=True),
-    # The drafters jaxspec ships for SmolLM2 (catalogue names, loaded in main)
+    # The drafters jaxspec ships for SmolLM2 (catalogue names, loaded by strategy_arguments)
     "dflash": dict(assistant_model="smollm2-135m-dflash"),
     "eagle3": dict(assistant_model="smollm2-135m-eagle3"),
 }
+
+
+def strategy_arguments(name: str, model) -> dict:
+    """`jaxspec.generate`'s arguments that run strategy `name` (a key of STRATEGY_KWARGS) on `model`: early exit at
+    half its layers, and the catalogue drafters loaded."""
+    import jaxspec
+
+    arguments = dict(STRATEGY_KWARGS[name] or dict(assistant_early_exit=model.config.num_layers // 2))
+    if isinstance(arguments.get("assistant_model"), str):  # a catalogue name
+        arguments["assistant_model"] = jaxspec.load(arguments["assistant_model"])
+    return arguments
 
 
 def batch_ids(tokenizer, prompts: tuple[str, ...], batch: int) -> list[list[int]]:
@@ -114,10 +125,7 @@ def main(argv=None) -> int:
     for name in args.strategies.split(","):
         if name not in STRATEGY_KWARGS:
             parser.error(f"--strategies: {name!r} is not one of {', '.join(STRATEGY_KWARGS)}")
-        kwargs = dict(STRATEGY_KWARGS[name] or dict(assistant_early_exit=model.config.num_layers // 2))
-        if isinstance(kwargs.get("assistant_model"), str):
-            kwargs["assistant_model"] = jaxspec.load(kwargs["assistant_model"])
-        strategies[name] = kwargs
+        strategies[name] = strategy_arguments(name, model)
     started = time.perf_counter()
     print(f"{args.model}, {args.max_new_tokens} new tokens, {args.passes} timed passes; speedup over plain decoding "
           "of the same batch (median, range), the cost model's expectation, acceptance, tokens per round\n")

@@ -52,7 +52,7 @@ import numpy as np
 
 from _bench_prompts import STORY, chat_ids
 from _record import Record, add_results_argument
-from bench_batch import STRATEGY_KWARGS
+from bench_batch import strategy_arguments
 
 
 def main(argv=None) -> None:
@@ -145,7 +145,7 @@ def main(argv=None) -> None:
                 **no_confidence_stop)
 
     for name in idle:
-        drafters[f"{name}, forced to draft nothing"] = IdleStrategy(name, idle_arguments(name))
+        drafters[f"{name}, forced to draft nothing"] = IdleStrategy(name, strategy_arguments(name, model))
 
     for drafter in drafters.values():
         per_round(drafter)  # compile
@@ -177,17 +177,6 @@ IDLE_STRATEGIES = ("mtp", "prompt_lookup", "dflash", "eagle3")
 class IdleStrategy:
     name: str
     arguments: dict  # jaxspec.generate's arguments that select it
-
-
-def idle_arguments(name: str) -> dict:
-    """`jaxspec.generate`'s arguments for strategy `name`, as bench_batch.py runs it (the drafters jaxspec ships for
-    SmolLM2)."""
-    import jaxspec
-
-    arguments = dict(STRATEGY_KWARGS[name])
-    if isinstance(arguments.get("assistant_model"), str):  # a catalogue name
-        arguments["assistant_model"] = jaxspec.load(arguments["assistant_model"])
-    return arguments
 
 
 @contextlib.contextmanager
