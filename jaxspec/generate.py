@@ -186,6 +186,14 @@ class _Call:
         return prefill, loop.compile_loop(self.spec, "rounds", rounds_args)
 
 
+def _committed(state):
+    """`state` with every array committed to the device it is on, without a copy. A model converted in this process
+    holds uncommitted arrays and one restored from the conversion cache committed ones; the compiled loop's cache key
+    includes the difference, so without this a first run's executables never served the processes after it."""
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) and not x.committed else x,
+                        state)
+
+
 def _lay_out(model: Model, assistant: Model | None, prompts: PromptBatch, drafter: Drafter, settings: Settings, *,
              mesh: Mesh | None, rules: ShardingRules, chunk: int, ensemble_weight: float | None,
              return_logits: bool) -> _Call:
@@ -198,6 +206,8 @@ def _lay_out(model: Model, assistant: Model | None, prompts: PromptBatch, drafte
         target_state = shard_state(target_state, mesh, rules)
         if assistant_state is not None:
             assistant_state = shard_state(assistant_state, mesh, rules)
+    else:
+        target_state, assistant_state = _committed(target_state), _committed(assistant_state)
     spec = loop.LoopSpec(target_graphdef, assistant_graphdef, drafter, settings.do_sample, settings.ngram_slots,
                          ensemble_weight, chunk, mesh, rules, bool(return_logits))
     inputs = loop.LoopInputs.for_drafter(jax.tree.map(jnp.asarray, settings.processing(model.config.vocab_size)),
