@@ -37,6 +37,8 @@ FAMILIES: dict[str, Family] = {
         "jaxspec.models.deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM", "jaxspec.convert.deepseek_v3"
     ),
     "glm4_moe": Family("jaxspec.models.glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLM", "jaxspec.convert.glm4_moe"),
+    "qwen3_moe": Family("jaxspec.models.qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        "jaxspec.convert.qwen3_moe"),
     "gemma2": _GEMMA,
     "gemma3_text": _GEMMA,
     "gemma4_text": _GEMMA,
@@ -56,15 +58,7 @@ FAMILIES: dict[str, Family] = {
 
 
 # Model types jaxspec knows of but cannot run yet, each with what is missing: the error says so instead of "unknown".
-NOT_YET: dict[str, str] = {
-    "qwen3_moe": (
-        "Qwen3-MoE checkpoints are not supported yet. The Qwen3 attention (per-head q/k RMSNorm) exists in "
-        "models/llama.py, but models/moe.py implements DeepSeek-V3/GLM routing only (sigmoid scores with a correction "
-        "bias, grouped top-k, shared experts, dense first_k_dense_replace layers); Qwen3-MoE needs a softmax top-k "
-        "router without groups or shared experts, its own dense-layer pattern (decoder_sparse_step, mlp_only_layers) "
-        "and name rules for its expert tensors (mlp.gate, mlp.experts). Dense Qwen3 (model_type 'qwen3') is supported."
-    ),
-}
+NOT_YET: dict[str, str] = {}
 
 
 # Architectures that decide the family before model_type does -> their key in FAMILIES. DFlash 2's config raises

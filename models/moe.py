@@ -1,11 +1,14 @@
-"""What DeepSeek-V3 and GLM-4.5 (glm4_moe) share: the routed MoE feed-forward, the decoder stack with dense first
-layers and MoE later ones, rope settings, and the MTP (multi-token prediction) layers. The families differ only in
-attention, which each family module supplies to `MoeCausalLM`.
+"""What DeepSeek-V3, GLM-4.5 (glm4_moe) and Qwen3-MoE share: the routed MoE feed-forward, the decoder stack with
+dense first layers and MoE later ones, rope settings, and the MTP (multi-token prediction) layers. The families
+differ in attention, which each family module supplies to `MoeCausalLM`, and in how the router scores experts.
 
-MoE routing (HF `DeepseekV3TopkRouter`): sigmoid scores; the choice adds `e_score_correction_bias`; experts are
-split into `n_group` groups, each group scored by the sum of its two best choices, and only the best `topk_group`
-groups compete; the `num_experts_per_tok` best experts are weighted by their *uncorrected* scores, optionally
-normalised, times `routed_scaling_factor`. Shared experts are a plain gated MLP added to every token.
+MoE routing, `scoring="sigmoid"` (HF `DeepseekV3TopkRouter`, GLM-4.5's too): sigmoid scores; the choice adds
+`e_score_correction_bias`; experts are split into `n_group` groups, each group scored by the sum of its two best
+choices, and only the best `topk_group` groups compete; the `num_experts_per_tok` best experts are weighted by their
+*uncorrected* scores, optionally normalised, times `routed_scaling_factor`. Shared experts are a plain gated MLP added
+to every token. `scoring="softmax"` (HF `Qwen3MoeTopKRouter`): a softmax over all experts, the best
+`num_experts_per_tok` weighted by their probabilities, optionally renormalised; no groups, no score bias, no shared
+experts.
 
 Routed compute (`routed_experts`): the N*k token-expert assignments are sorted by expert and each expert's rows go
 through one grouped matmul (`jax.lax.ragged_dot` with per-expert group sizes), so the work is N*k expert rows, never
@@ -52,6 +55,7 @@ class MoeConfig:
     num_shared_experts: int  # n_shared_experts
     expert_size: int  # moe_intermediate_size
     first_dense_layers: int  # first_k_dense_replace, clipped to the layer count
+    scoring: str = "sigmoid"  # "sigmoid" (DeepSeek-V3, GLM-4.5) or "softmax" (Qwen3-MoE): see the module docstring
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], defaults: dict[str, Any]) -> "MoeConfig":
@@ -155,8 +159,9 @@ def rope_from_hf(hf: dict[str, Any], rope: dict[str, Any], head_dim: int) -> Rop
     )
 
 
-def common_fields(hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """Config fields both families read the same way; raise on what neither implements."""
+def common_fields(hf: dict[str, Any], defaults: dict[str, Any], moe: MoeConfig | None = None) -> dict[str, Any]:
+    """Config fields the families read the same way; raise on what none implements. `moe`: the family's own MoE
+    settings, where they are not DeepSeek-V3's keys (`MoeConfig.from_hf_config`)."""
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise NotImplementedError(f"hidden_act={act!r} is not supported yet; only 'silu' is.")
@@ -179,7 +184,7 @@ def common_fields(hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any
         rms_norm_eps=float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
         max_position_embeddings=hf.get("max_position_embeddings", defaults["max_position_embeddings"]),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        moe=MoeConfig.from_hf_config(hf, defaults),
+        moe=moe or MoeConfig.from_hf_config(hf, defaults),
         num_mtp_layers=L.num_mtp_layers(hf),
         bos_token_id=hf.get("bos_token_id", defaults.get("bos_token_id")),
         eos_token_id=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
@@ -191,12 +196,25 @@ def common_fields(hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any
 # The MoE feed-forward
 
 
-def route(x: jax.Array, w_router: jax.Array, score_bias: jax.Array, cfg: MoeConfig) -> tuple[jax.Array, jax.Array]:
-    """Group-limited top-k over sigmoid scores. x: [N, D], w_router: [D, E], score_bias: [E].
-    Returns (weights [N, k] float32, experts [N, k] int32)."""
-    n = x.shape[0]
+def route(x: jax.Array, w_router: jax.Array, score_bias: jax.Array | None, cfg: MoeConfig
+          ) -> tuple[jax.Array, jax.Array]:
+    """The experts of each token and their weights, by `cfg.scoring`. x: [N, D], w_router: [D, E], score_bias: [E]
+    (sigmoid scoring only). Returns (weights [N, k] float32, experts [N, k] int32)."""
+    logits = jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32))  # [N, E]
+    if cfg.scoring == "softmax":
+        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.experts_per_token)  # [N, k]
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdims=True)
+        return weights, experts
+    return _group_limited_sigmoid_route(logits, score_bias, cfg)
+
+
+def _group_limited_sigmoid_route(logits: jax.Array, score_bias: jax.Array, cfg: MoeConfig
+                                 ) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's routing from the router's logits [N, E]; see the module docstring."""
+    n = logits.shape[0]
     e, g = cfg.num_experts, cfg.num_groups
-    scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32)))  # [N, E]
+    scores = jax.nn.sigmoid(logits)  # [N, E]
     choice = scores + score_bias.astype(jnp.float32)
     group_scores = jax.lax.top_k(choice.reshape(n, g, e // g), 2)[0].sum(-1)  # [N, G]
     _, top_groups = jax.lax.top_k(group_scores, cfg.topk_groups)  # [N, topk_group]
@@ -311,7 +329,7 @@ def moe_ffn(cfg: MoeConfig, p: dict[str, jax.Array], x: jax.Array, mesh: Mesh | 
             rules: ShardingRules | None = None) -> jax.Array:
     """Routed experts plus shared experts on x: [B, T, D]. With a mesh, the routed experts run expert-parallel."""
     flat = x.reshape(-1, x.shape[-1])  # [N, D]
-    weights, experts = route(flat, p["router"], p["router_bias"], cfg)
+    weights, experts = route(flat, p["router"], p.get("router_bias"), cfg)
     if mesh is None:
         out = routed_experts(flat, weights, experts, p["we_gate"], p["we_up"], p["we_down"]).reshape(x.shape)
     else:
@@ -376,11 +394,12 @@ def stack_shapes(cfg, attention: dict[str, tuple[int, ...]]) -> dict[str, tuple[
     dense = {"w_gate": (d, fd), "w_up": (d, fd), "w_down": (fd, d)}
     routed = {
         "router": (d, e),
-        "router_bias": (e,),
         "we_gate": (e, d, f),
         "we_up": (e, d, f),
         "we_down": (e, f, d),
     }
+    if moe.scoring == "sigmoid":
+        routed["router_bias"] = (e,)
     if moe.num_shared_experts:
         routed |= {"ws_gate": (d, fs), "ws_up": (d, fs), "ws_down": (fs, d)}
     mtp = {"enorm": (d,), "hnorm": (d,), "eh_proj": (2 * d, d), "out_norm": (d,)}

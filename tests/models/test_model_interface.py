@@ -72,6 +72,8 @@ CASES = {
     "qwen3": ("qwen3", _hf(transformers.Qwen3Config, **DENSE, head_dim=16), (CausalLM, MtpModel)),
     "deepseek_v3": ("deepseek_v3", _hf(transformers.DeepseekV3Config, **MOE, **DEEPSEEK), (CausalLM, MtpModel)),
     "glm4_moe": ("glm4_moe", _hf(transformers.Glm4MoeConfig, **MOE, num_key_value_heads=2), (CausalLM, MtpModel)),
+    "qwen3_moe": ("qwen3_moe", _hf(transformers.Qwen3MoeConfig, **DENSE, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=16, head_dim=16), (CausalLM, MtpModel)),
     **{family: (family, _hf(config_cls, **DENSE, **overrides), (CausalLM, SharedKvModel))
        for family, (config_cls, overrides) in GEMMA.items()},
     "gemma4_assistant": ("gemma4_assistant", GEMMA4_DRAFTER, (DrafterModel,)),
