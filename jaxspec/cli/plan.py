@@ -2,15 +2,15 @@
 
     jaxspec-plan deepseek-v3 --mesh data=1,model=8,expert=4 --batch 8 --max-len 8192
     jaxspec-plan path/to/config.json --mesh model=8 --dtype bf16 --hbm 32
-    jaxspec-plan --slices        # DeepSeek-V3 and GLM-4.5-Air on real TPU slices (the README's table)
+    jaxspec-plan --slices        # DeepSeek-V3, GLM-4.5-Air and Qwen3-30B-A3B on real TPU slices
 
 `python scripts/plan.py ...` runs the same. CONFIG is a folder or config.json, or a name in
-jaxspec/cli/plan_configs.json (the public config.json of deepseek-v3, glm-4.5-air and glm-4.5). Every param, cache
-and MTP buffer is laid out exactly as jaxspec lays it out: the module is built abstractly (`abstract_module`), each
-array's logical axes go through the same `ShardingRules`, and a dimension that its mesh axis does not divide is
-replicated. Printed per device: weights by dtype (of which MTP layers), the target's KV or latent cache at `--batch`
-rows of `--max-len` positions (the cache also holds the draft window, and generate rounds its length up as
-`jaxspec.prompts.buffer_size` does), and the MTP drafter's state (one cache per depth and the main hidden states).
+jaxspec/cli/plan_configs.json (the public config.json of deepseek-v3, glm-4.5-air, glm-4.5 and qwen3-30b-a3b). Every
+param, cache and MTP buffer is laid out exactly as jaxspec lays it out: the module is built abstractly
+(`abstract_module`), each array's logical axes go through the same `ShardingRules`, and a dimension that its mesh axis
+does not divide is replicated. Printed per device: weights by dtype (of which MTP layers), the target's KV or latent
+cache at `--batch` rows of `--max-len` positions (the cache also holds the draft window, and generate rounds its length
+up as `jaxspec.prompts.buffer_size` does), and the MTP drafter's state (one cache per depth and the main hidden states).
 Sizes are in GB (10^9 bytes), as TPU HBM is quoted. FP8 checkpoints are dequantized when loaded, so weights take
 `--dtype` (default bf16), not the checkpoint's fp8 bytes.
 """
@@ -33,7 +33,7 @@ GB = 1e9
 # (slice name, chips, HBM per chip in GB). v5p-N counts TensorCores (2 per chip); v5e-N and v6e-N count chips.
 SLICES = {"v5p-16": (8, 95), "v5p-64": (32, 95), "v5p-128": (64, 95), "v5e-32": (32, 16), "v5e-256": (256, 16),
           "v6e-8": (8, 32), "v6e-16": (16, 32), "v6e-256": (256, 32)}
-# The README's rows: model, slice, mesh, batch, max length.
+# The rows --slices plans: model, slice, mesh, batch, max length.
 README_ROWS = [
     ("deepseek-v3", "v5p-64", "data=1,model=8,expert=4", 8, 8192),
     ("deepseek-v3", "v5p-128", "data=2,model=8,expert=4", 16, 8192),
@@ -44,6 +44,7 @@ README_ROWS = [
     ("glm-4.5-air", "v6e-8", "data=1,model=8,expert=1", 8, 8192),
     ("glm-4.5-air", "v6e-16", "data=1,model=8,expert=2", 16, 8192),
     ("glm-4.5-air", "v5e-32", "data=1,model=8,expert=4", 8, 8192),
+    ("qwen3-30b-a3b", "v6e-8", "data=1,model=4,expert=2", 8, 8192),
 ]
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32", "fp32": "float32", "float32": "float32",
           "f16": "float16", "float16": "float16"}

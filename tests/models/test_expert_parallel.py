@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import jaxspec
 from jaxspec.models import moe
 from jaxspec.sharding import ShardingRules
+from tests.fixtures import hf_models
 from tests.fixtures.moe import CASES, COMMON, save_checkpoint
 
 ATOL = 1e-4  # float32 sums in another order; logits are of magnitude 1-10
@@ -96,10 +97,46 @@ def test_model_on_an_expert_mesh_equals_single_device(deepseek_folder):
     # Generation on a mesh (greedy, sampling, use_mtp; one and two processes) runs in tests/e2e/test_distributed.py.
 
 
+def test_qwen3_moe_on_an_expert_mesh_equals_single_device(tmp_path):
+    """Qwen3-MoE's softmax router and its dense first layer, with the experts split over the mesh."""
+    folder = hf_models.save_tiny("qwen3_moe", tmp_path, seed=5, num_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=16, head_dim=16, mlp_only_layers=[0])
+    single = jaxspec.load(folder, dtype=jnp.float32)
+    mesh = mesh_of(2, 2, 2)
+    sharded = jaxspec.load(folder, dtype=jnp.float32, mesh=mesh)
+    assert nnx.state(sharded.module)["we_gate"].get_value().sharding.spec == P(None, "expert", None, "model")
+    tokens = np.random.default_rng(1).integers(3, 128, (2, 12)).astype(np.int32)
+
+    def logits(module, tokens):
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        return np.asarray(module(tokens, positions, module.init_cache(b, t))[0])
+
+    expected = logits(single.module, tokens)
+    got = logits(sharded.module, jax.device_put(tokens, NamedSharding(mesh, P("data"))))
+    assert np.abs(expected).max() > 1.0
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+
+
 def plan_script():
     from jaxspec.cli import plan
 
     return plan
+
+
+@pytest.mark.parametrize("name, published", [
+    ("deepseek-v3", 671e9),
+    ("glm-4.5-air", 106e9),
+    ("glm-4.5", 355e9),
+    ("qwen3-30b-a3b", 30.5e9),
+])
+def test_planned_configs_have_their_published_sizes(name, published):
+    """The real configs jaxspec-plan ships, read by their families: the main model's parameter count (without MTP
+    layers) is the model card's, within its rounding."""
+    plan = plan_script()
+    label, hf = plan.read_config(name)
+    p = plan.plan(hf, label, {"data": 1, "model": 1, "expert": 1}, "bfloat16", 1, 128, mtp=True)
+    assert abs(p.params - published) / published < 0.01, (name, p.params)
 
 
 def test_planner_counts_what_a_loaded_model_holds_per_device(deepseek_folder):
