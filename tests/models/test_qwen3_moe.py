@@ -1,5 +1,5 @@
-"""Qwen3-MoE (`model_type: "qwen3_moe"`) against transformers' Qwen3MoeForCausalLM: logits, greedy decoding, the
-drafters (DFlash's public drafters include Qwen3-MoE targets), and the configs jaxspec refuses.
+"""Qwen3-MoE (`model_type: "qwen3_moe"`) against transformers' Qwen3MoeForCausalLM: logits, greedy decoding, every
+drafter (public DFlash and EAGLE-3 drafters include Qwen3-MoE targets), and the configs jaxspec refuses.
 
 What it adds to the MoE family is a softmax top-k router with no groups, score bias or shared experts, and HF's
 choice of dense layers (`mlp_only_layers`, `decoder_sparse_step`). The tiny models have an explicit head_dim (16,
@@ -19,6 +19,7 @@ import transformers
 import jaxspec
 from jaxspec.registry import FAMILIES
 from tests.fixtures import dflash as dflash_fixtures
+from tests.fixtures import eagle3 as eagle3_fixtures
 from tests.fixtures import hf_models
 from tests.fixtures.prompts import left_padded
 from tests.models.test_models import hf_logits, jax_logits
@@ -91,19 +92,23 @@ def test_greedy_ragged_batch_equals_transformers(pair, plain):
     np.testing.assert_array_equal(plain.sequences, expected)
 
 
-@pytest.mark.parametrize("strategy", ["assistant_model", "prompt_lookup", "early_exit", "dflash"])
+@pytest.mark.parametrize("strategy", ["assistant_model", "prompt_lookup", "early_exit", "dflash", "eagle3"])
 def test_every_drafter_equals_plain_greedy(pair, plain, strategy, tmp_path):
     if strategy == "dflash":
         dflash_fixtures.muse(DFLASH, seed=24).save_pretrained(tmp_path)
+    if strategy == "eagle3":  # SpecForge's head for a target of this width, vocabulary and depth
+        eagle3_fixtures.save(eagle3_fixtures.reference(seed=25), tmp_path)
     kwargs = {
         # threshold 0: a random model is rarely confident, and the default 0.4 would stop most drafts at once
         "assistant_model": dict(assistant_model=pair.assistant, num_assistant_tokens=3,
                                 assistant_confidence_threshold=0.0),
         "prompt_lookup": dict(prompt_lookup_num_tokens=3),
         "early_exit": dict(assistant_early_exit=2, num_assistant_tokens=3, assistant_confidence_threshold=0.0),
-        "dflash": dict(assistant_model=jaxspec.load(os.fspath(tmp_path)) if strategy == "dflash" else None,
-                       num_assistant_tokens_schedule="constant"),
+        "dflash": dict(num_assistant_tokens_schedule="constant"),
+        "eagle3": dict(num_assistant_tokens_schedule="constant"),
     }[strategy]
+    if strategy in ("dflash", "eagle3"):
+        kwargs["assistant_model"] = jaxspec.load(os.fspath(tmp_path))
     out = jaxspec.generate(pair.target, REPETITIVE, max_new_tokens=N, eos_token_id=[], **kwargs)
     np.testing.assert_array_equal(out.sequences, plain.sequences)
     assert out.drafted.sum() > 0, strategy  # the drafter really ran (plain decoding drafts nothing)
