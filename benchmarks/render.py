@@ -8,8 +8,8 @@ Reads every `{results}/*.json` (the records benchmarks/_record.py writes) and ke
 one section per benchmark and model, each headed by the date, commit, machine, read bandwidth and command of the run
 that produced it; bench.py's tables are rebuilt by its own report code (benchmarks/_bench_report.py), so they read
 as the run printed them. In the README, the text between the lines `<!-- results:begin -->` and
-`<!-- results:end -->` becomes one compact table per model of bench.py's newest record (speedup over plain greedy
-and acceptance per strategy), the command under it; `--readme ''` leaves the README alone. Prose carries no figure
+`<!-- results:end -->` becomes a compact table of bench.py's newest record for the main job's model (speedup over
+plain greedy and acceptance per strategy), the command under it; `--readme ''` leaves the README alone. Prose carries no figure
 that no record holds: rerun a benchmark, then this, and commit the record with the rendered files.
 
 The output depends on the records alone (no clock), so `--check` is stable. Run it as a script: it imports its
@@ -31,6 +31,7 @@ from _record import REPO, RESULTS
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 MAIN = "bench"  # the benchmark whose records feed the README
+README_MODEL = "smollm2-135m"  # the model of the README's main job (scripts/generate.py's default); the rest: docs
 DOCS = os.path.join(REPO, "docs", "benchmarks.md")
 README = os.path.join(REPO, "README.md")
 
@@ -167,10 +168,11 @@ def render_docs(chosen: dict[tuple[str, str, str | None], dict[str, Any]]) -> st
 
 
 def readme_summary(chosen: dict[tuple[str, str, str | None], dict[str, Any]]) -> str:
-    """One compact table per model of bench.py's newest record: speedup over plain greedy and acceptance."""
+    """A compact table of bench.py's newest record for the main job's model: speedup over plain greedy and
+    acceptance. Every other model's tables are in docs/benchmarks.md."""
     lines: list[str] = []
     for (benchmark, model, _), record in chosen.items():
-        if benchmark != MAIN:
+        if benchmark != MAIN or model != README_MODEL:
             continue
         strategies = [r for r in rows_of(record, model) if r.get("table") == "strategies"]
         if not strategies:

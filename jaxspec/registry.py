@@ -57,10 +57,6 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-# Model types jaxspec knows of but cannot run yet, each with what is missing: the error says so instead of "unknown".
-NOT_YET: dict[str, str] = {}
-
-
 # Architectures that decide the family before model_type does -> their key in FAMILIES. DFlash 2's config raises
 # NotImplementedError naming the parts jaxspec lacks.
 ARCHITECTURE_FAMILIES = {"DFlashDraftModel": "DFlashDraftModel", "DFlash2DraftModel": "DFlashDraftModel",
@@ -76,8 +72,6 @@ def family_for(hf_config: dict[str, Any], where: str) -> Family:
     model_type = hf_config.get("model_type")
     if model_type is None:
         raise ValueError(f"{where}: config has no `model_type`, so jaxspec cannot tell which model family it is.")
-    if model_type in NOT_YET:
-        raise NotImplementedError(f"{where}: model_type {model_type!r}: {NOT_YET[model_type]}")
     if model_type not in FAMILIES:
         raise ValueError(
             f"{where}: unknown model_type {model_type!r} (architectures={hf_config.get('architectures')}). "
