@@ -10,8 +10,8 @@ the first strategy on one prompt (`first run`: the model is converted, which the
 compiles, step costs are measured), the same strategy on a prompt of another length (`new prompt`: the executables
 come from the cache, but the loop is traced and lowered again to find them), the next strategy (`new strategy`), and
 that one on the other prompt. The figure is the CLI's own `compile ... s` (loading the compiled loop, or compiling
-it, plus measuring step costs), with its `load ... s` and the process's wall time beside it. Converting in the first
-run matters: a converted model's arrays are uncommitted and a restored one's committed, and the loops compiled for
+it, plus measuring step costs), with its `load ... s`, the seconds to the first token (load, compile and the
+prefill, which picks it) and the process's wall time beside it. Converting in the first run matters: a converted model's arrays are uncommitted and a restored one's committed, and the loops compiled for
 the one once missed the persistent cache for the other.
 
 **Where it goes** (`phases` table), in one process per strategy: the rounds executable (the while loop of
@@ -125,11 +125,14 @@ def cli_runs(pythonpath: str, model: str, strategies: list[str], tmp: str) -> li
             started = time.perf_counter()
             done = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True, check=False)
             wall = time.perf_counter() - started
-            report = re.search(r"load ([\d.]+)s, compile ([\d.]+)s apart", done.stdout + done.stderr)
+            report = re.search(r"prefill ([\d.]+)s of it; load ([\d.]+)s, compile ([\d.]+)s apart",
+                               done.stdout + done.stderr)
             if done.returncode != 0 or report is None:
                 raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
-            runs.append({"strategy": strategy, "run": what, "compile": float(report.group(2)),
-                         "load": float(report.group(1)), "wall": wall})
+            prefill, load, compile_s = (float(group) for group in report.groups())
+            # The first token is the prefill's: loading, compiling and the prefill come before it.
+            runs.append({"strategy": strategy, "run": what, "compile": compile_s, "load": load,
+                         "first_token": load + compile_s + prefill, "wall": wall})
     return runs
 
 
@@ -192,16 +195,18 @@ def main(argv=None) -> None:
     rows = []
     print(f"\n# The CLI's compile seconds, as a new user meets them ({args.model}, cpu; median of {args.passes} "
           f"pass(es))\n")
-    print("| strategy | run | " + " | ".join(f"{side}: compile s (load s, wall s)" for side in sides) + " |")
+    print("| strategy | run | " + " | ".join(f"{side}: compile s (load s, first token s, wall s)" for side in sides)
+          + " |")
     print("|---|---|" + "---:|" * len(sides))
     for i, first in enumerate(cli[HERE][0]):
         cells = []
         for side in sides:
-            compile_s, load, wall = (statistics.median(runs[i][key] for runs in cli[side])
-                                     for key in ("compile", "load", "wall"))
-            cells.append(f"{compile_s:.1f} ({load:.1f}, {wall:.1f})")
+            compile_s, load, first_token, wall = (statistics.median(runs[i][key] for runs in cli[side])
+                                                  for key in ("compile", "load", "first_token", "wall"))
+            cells.append(f"{compile_s:.1f} ({load:.1f}, {first_token:.1f}, {wall:.1f})")
             rows.append({"table": "cli", "code": side, "strategy": first["strategy"], "run": first["run"],
-                         "compile_seconds": compile_s, "load_seconds": load, "wall_seconds": wall})
+                         "compile_seconds": compile_s, "load_seconds": load, "first_token_seconds": first_token,
+                         "wall_seconds": wall})
         print(f"| {first['strategy']} | {first['run']} | " + " | ".join(cells) + " |")
 
     print(f"\n# Where it goes: trace, lower, XLA compile and persistent-cache load, seconds (median of "
