@@ -7,10 +7,10 @@ Reads every `{results}/*.json` (the records benchmarks/_record.py writes) and ke
 (benchmark, model, mode) (mode: bench_mtp's timed, acceptance-only or random-deepseek runs). docs/benchmarks.md gets
 one section per benchmark and model, each headed by the date, commit, machine, read bandwidth and command of the run
 that produced it; bench.py's tables are rebuilt by its own report code (benchmarks/_bench_report.py), so they read
-as the run printed them. In the README, the text between the lines `<!-- results:begin -->` and
-`<!-- results:end -->` becomes a compact table of bench.py's newest record for the main job's model (speedup over
-plain greedy and acceptance per strategy), the command under it; `--readme ''` leaves the README alone. Prose carries no figure
-that no record holds: rerun a benchmark, then this, and commit the record with the rendered files.
+as the run printed them. In the README, the text between the lines `<!-- results:begin -->` and `<!-- results:end
+-->` becomes a compact table of bench.py's newest record for the main job's model (speedup over plain greedy and
+acceptance per strategy), the command under it; `--readme ''` leaves the README alone. Prose carries no figure that
+no record holds: rerun a benchmark, then this, and commit the record with the rendered files.
 
 The output depends on the records alone (no clock), so `--check` is stable. Run it as a script: it imports its
 siblings in benchmarks/, which Python finds because it puts the script's folder on sys.path.

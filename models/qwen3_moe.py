@@ -46,7 +46,9 @@ def is_moe_layer(hf: dict[str, Any], index: int, num_experts: int) -> bool:
 
 def moe_config(hf: dict[str, Any]) -> moe.MoeConfig:
     """The MoE settings from Qwen3-MoE's own keys. HF reads `num_experts` as `num_local_experts` and writes that."""
-    get = lambda key: HF_DEFAULTS[key] if hf.get(key) is None else hf[key]  # noqa: E731
+    def get(key):
+        return HF_DEFAULTS[key] if hf.get(key) is None else hf[key]
+
     num_experts = hf.get("num_experts", hf.get("num_local_experts"))
     num_experts = HF_DEFAULTS["num_experts"] if num_experts is None else num_experts
     layers = hf["num_hidden_layers"]
