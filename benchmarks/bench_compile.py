@@ -42,6 +42,8 @@ from _record import REPO, Record, add_results_argument
 
 HERE = "this checkout"
 CODE = ("jaxspec", "models", "convert")
+# The CLI's report line (jaxspec/cli/generate.py `print_report`): the first call's prefill, then load and compile.
+CLI_REPORT = re.compile(r"prefill ([\d.]+)s of it; load ([\d.]+)s, compile ([\d.]+)s apart")
 PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain in two sentences why the sky is blue, then give one everyday example of the same effect in a kitchen.",
@@ -125,8 +127,7 @@ def cli_runs(pythonpath: str, model: str, strategies: list[str], tmp: str) -> li
             started = time.perf_counter()
             done = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True, check=False)
             wall = time.perf_counter() - started
-            report = re.search(r"prefill ([\d.]+)s of it; load ([\d.]+)s, compile ([\d.]+)s apart",
-                               done.stdout + done.stderr)
+            report = CLI_REPORT.search(done.stdout + done.stderr)
             if done.returncode != 0 or report is None:
                 raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
             prefill, load, compile_s = (float(group) for group in report.groups())

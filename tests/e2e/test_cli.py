@@ -61,6 +61,9 @@ def test_text_output_shows_counters(cli, folder, capsys):
     assert cli.main(["--model", folder, "--prompt", "w5 w6", "--max-new-tokens", "4", "--do-sample", "--seed", "3"]) == 0
     out = capsys.readouterr().out
     assert "tok/s" in out and "target forwards" in out
+    import bench_compile  # benchmarks/ is on sys.path (pyproject's pythonpath)
+
+    assert bench_compile.CLI_REPORT.search(out), "benchmarks/bench_compile.py no longer reads the CLI's report line"
 
 
 def test_speculative_needs_an_assistant(cli, folder):
