@@ -11,8 +11,9 @@ compiles, step costs are measured), the same strategy on a prompt of another len
 come from the cache, but the loop is traced and lowered again to find them), the next strategy (`new strategy`), and
 that one on the other prompt. The figure is the CLI's own `compile ... s` (loading the compiled loop, or compiling
 it, plus measuring step costs), with its `load ... s`, the seconds to the first token (load, compile and the
-prefill, which picks it) and the process's wall time beside it. Converting in the first run matters: a converted model's arrays are uncommitted and a restored one's committed, and the loops compiled for
-the one once missed the persistent cache for the other.
+prefill, which picks it) and the process's wall time beside it. Converting in the first run matters: a converted
+model's arrays are uncommitted and a restored one's committed, and the loops compiled for the one once missed the
+persistent cache for the other.
 
 **Where it goes** (`phases` table), in one process per strategy: the rounds executable (the while loop of
 jaxspec/loop.py) and the prefill executable, each traced (`jax.jit(...).trace`), lowered, compiled by XLA,
