@@ -10,8 +10,9 @@ the first strategy on one prompt (`first run`: the model is converted, which the
 compiles, step costs are measured), the same strategy on a prompt of another length (`new prompt`: the executables
 come from the cache, but the loop is traced and lowered again to find them), the next strategy (`new strategy`), and
 that one on the other prompt. The figure is the CLI's own `compile ... s` (loading the compiled loop, or compiling
-it, plus measuring step costs), with its `load ... s`, the seconds to the first token (load, compile and the
-prefill, which picks it) and the process's wall time beside it. Converting in the first run matters: a converted
+it, plus measuring step costs, less what ran beside the prefill), with its `load ... s`, its `first token ... s` (the
+prefill picks it; since 2026-12-05 the round loop compiles while the prefill runs, so it comes before the loop's
+compile has finished) and the process's wall time beside it. Converting in the first run matters: a converted
 model's arrays are uncommitted and a restored one's committed, and the loops compiled for the one once missed the
 persistent cache for the other.
 
@@ -44,7 +45,8 @@ from _record import REPO, Record, add_results_argument
 HERE = "this checkout"
 CODE = ("jaxspec", "models", "convert")
 # The CLI's report line (jaxspec/cli/generate.py `print_report`): the first call's prefill, then load and compile.
-CLI_REPORT = re.compile(r"prefill ([\d.]+)s of it; load ([\d.]+)s, compile ([\d.]+)s apart")
+# The CLI's report line; a baseline older than 2026-12-05 prints no first token (it came after load, compile, prefill).
+CLI_REPORT = re.compile(r"prefill ([\d.]+)s of it; load ([\d.]+)s, compile ([\d.]+)s apart(?:; first token ([\d.]+)s)?")
 PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain in two sentences why the sky is blue, then give one everyday example of the same effect in a kitchen.",
@@ -131,10 +133,10 @@ def cli_runs(pythonpath: str, model: str, strategies: list[str], tmp: str) -> li
             report = CLI_REPORT.search(done.stdout + done.stderr)
             if done.returncode != 0 or report is None:
                 raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
-            prefill, load, compile_s = (float(group) for group in report.groups())
-            # The first token is the prefill's: loading, compiling and the prefill come before it.
+            prefill, load, compile_s = (float(group) for group in report.groups()[:3])
+            first_token = float(report.group(4)) if report.group(4) else load + compile_s + prefill
             runs.append({"strategy": strategy, "run": what, "compile": compile_s, "load": load,
-                         "first_token": load + compile_s + prefill, "wall": wall})
+                         "first_token": first_token, "wall": wall})
     return runs
 
 

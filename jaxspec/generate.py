@@ -136,29 +136,52 @@ def generate_with_drafter(
                     chunk=prefill_chunk or default_prefill_chunk(), ensemble_weight=ensemble_weight,
                     return_logits=return_logits)
     compile_started = time.perf_counter()
-    prefill, rounds = call.compile()
-    # The adaptive schedule's prices, timed by running these executables once per machine (jaxspec/costs.py);
-    # they are run-time inputs, so nothing compiles again.
-    prices = price_loop(call, prefill, rounds, model, assistant, batch=prompts.size)
-    if prices is not None:
-        call = call.priced(prices)
-    compile_seconds = time.perf_counter() - compile_started  # measuring step costs counts here too
-
-    decode_started = time.perf_counter()
-    state = jax.block_until_ready(prefill(*call.prefill_args))
-    prefill_seconds = time.perf_counter() - decode_started
+    prefill = call.compile_prefill()
+    # The prefill runs while the round loop compiles: dispatched first, then the rounds lowered here and compiled
+    # on a worker thread. A streamed call hands out its first tokens before waiting for the rounds.
+    state = prefill(*call.prefill_args)
+    rounds_compiled = call.compile_rounds(prefill)
+    lowered = time.perf_counter()
+    state = jax.block_until_ready(state)
+    prefill_done = time.perf_counter()
     if control.active:
-        state = _run_watched(call, rounds, state, prompts, control, started)
-    else:
-        no_round_limit = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
-        state = jax.block_until_ready(rounds(call.target_state, call.assistant_state, state, call.inputs,
-                                             no_round_limit))
-    decode_seconds = time.perf_counter() - decode_started
+        control.begin(prompts.rows, prompts.lengths, deadline_from=started)
+
+    def ready():
+        """The round loop, and the call with its schedule priced: timed by running these executables once per
+        machine (jaxspec/costs.py); the prices are run-time inputs, so nothing compiles again."""
+        rounds = rounds_compiled()
+        prices = price_loop(call, prefill, rounds, model, assistant, batch=prompts.size)
+        return (call if prices is None else call.priced(prices)), rounds
+
+    waited = time.perf_counter()
+    state, waited_seconds = _run_rounds(ready, state, control)
+    finished = time.perf_counter()
+    # The parts add up to the call's wall time. The rounds' lowering ran beside the prefill and counts as compile;
+    # the prefill counts for what it ran past it (on a warm call, nothing was lowered: all of it).
+    compile_seconds = (lowered - compile_started) + waited_seconds
+    prefill_seconds = prefill_done - lowered
+    decode_seconds = prefill_seconds + (finished - waited) - waited_seconds
     final = FinalState(*distributed.fetch((state.tokens, state.lengths, state.counters,
                                            call.spec.drafter.summary(state.drafter), state.scores)))
     output = unpack(final, prompts.given, prompts.lengths, settings.pad_id,
-                    Timings(compile_seconds, prefill_seconds, decode_seconds), strategy_name)
+                    Timings(compile_seconds, prefill_seconds, decode_seconds, prefill_done - started), strategy_name)
     return control.crop(output, settings.pad_id)
+
+
+def _run_rounds(ready, state, control: HostControl):
+    """Run the round loop from the prefilled `state`; -> (final state, seconds spent waiting for `ready() -> (call,
+    rounds)`, the compiled loop and the priced call). A call whose rows all ended in the prefill waits for nothing."""
+    if control.active:
+        return _run_watched(ready, state, control)
+    if bool(np.all(distributed.fetch(state.done))):
+        return state, 0.0
+    waiting = time.perf_counter()
+    call, rounds = ready()
+    waited = time.perf_counter() - waiting
+    no_round_limit = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
+    return jax.block_until_ready(rounds(call.target_state, call.assistant_state, state, call.inputs,
+                                        no_round_limit)), waited
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,12 +201,20 @@ class _Call:
         inputs = dataclasses.replace(self.inputs, prices=jax.tree.map(jnp.asarray, prices))
         return dataclasses.replace(self, spec=spec, inputs=inputs)
 
-    def compile(self):
-        """(prefill, rounds) executables, from the compile cache when this spec and these shapes ran before."""
-        prefill = loop.compile_loop(self.spec, "prefill", self.prefill_args)
+    def compile_prefill(self):
+        """The prefill executable, from the compile cache when this spec and these shapes ran before."""
+        return loop.compile_loop(self.spec, "prefill", self.prefill_args)
+
+    def compile_rounds(self, prefill):
+        """Start compiling the round loop that continues `prefill`'s state; -> a function that waits for it."""
         rounds_args = (self.target_state, self.assistant_state, prefill.out_info, self.inputs,
                        jnp.asarray(0, jnp.int32))
-        return prefill, loop.compile_loop(self.spec, "rounds", rounds_args)
+        return loop.compile_in_background(self.spec, "rounds", rounds_args)
+
+    def compile(self):
+        """(prefill, rounds) executables, waited for."""
+        prefill = self.compile_prefill()
+        return prefill, self.compile_rounds(prefill)()
 
 
 def _committed(state):
@@ -226,11 +257,12 @@ def _lay_out(model: Model, assistant: Model | None, prompts: PromptBatch, drafte
     return _Call(spec, target_state, assistant_state, inputs, prefill_args)
 
 
-def _run_watched(call: _Call, rounds, state, prompts: PromptBatch, control: HostControl, started: float):
+def _run_watched(ready, state, control: HostControl):
     """The round loop a few rounds per dispatch, the host streaming and stopping between dispatches; the state stays
-    on the device, and the host reads only lengths and the token buffer."""
-    mesh, rules = call.spec.mesh, call.spec.rules
-    control.begin(prompts.rows, prompts.lengths, deadline_from=started)
+    on the device, and the host reads only lengths and the token buffer. The prefill's tokens are handed out before
+    the first dispatch waits for `ready() -> (call, rounds)`; -> (final state, seconds spent waiting for it)."""
+    call = rounds = None
+    waited = 0.0
     per_dispatch, dispatched = control.rounds_per_dispatch or 1, None
     while True:
         tokens, lengths, done = distributed.fetch((state.tokens, state.lengths, state.done))
@@ -239,10 +271,15 @@ def _run_watched(call: _Call, rounds, state, prompts: PromptBatch, control: Host
         stop = control.after_dispatch(tokens, lengths)
         if (done | stop).all() or control.out_of_time():
             break
+        if rounds is None:
+            waiting = time.perf_counter()
+            call, rounds = ready()
+            waited = time.perf_counter() - waiting
+        mesh, rules = call.spec.mesh, call.spec.rules
         if stop.any():
             state = dataclasses.replace(state, done=loop.place(done | stop, mesh, rules))
         dispatched = time.perf_counter()
         state = rounds(call.target_state, call.assistant_state, state, call.inputs,
                        jnp.asarray(per_dispatch, jnp.int32))
     control.finish()
-    return state
+    return state, waited

@@ -14,9 +14,10 @@ drafter's run-time settings enter as arrays (`LoopInputs`).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -106,11 +107,24 @@ class VerifyResult:
 
 
 MAX_COMPILED = 32  # a long session (a notebook, a test run) should not keep every executable alive
-_compiled: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+_compiled: collections.OrderedDict[Any, concurrent.futures.Future] = collections.OrderedDict()
+# One worker: XLA already compiles a module on several threads, and the prefill and the rounds never compile at once.
+_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxspec-compile")
 
 
 def compile_loop(spec: LoopSpec, which: str, args):
     """AOT-compile once per (spec, executable, argument shapes) so compile time is measured apart from decode time."""
+    return compile_in_background(spec, which, args)()
+
+
+def compile_in_background(spec: LoopSpec, which: str, args) -> Callable[[], Any]:
+    """Start compiling the loop's `which` executable for `args`; -> a function that waits for it and returns it.
+
+    The executable is traced and lowered here, in the caller's thread, since tracing reads that thread's JAX context
+    (default device, matmul precision); XLA's compile, or the persistent cache's load of a compiled executable, then
+    runs on a worker thread, which releases the interpreter. So the caller can run something else meanwhile:
+    `generate` runs the prefill, and hands out its first tokens, while the round loop compiles. A compile that is
+    under way is shared: a call that never waited for it (every row ended in the prefill) does not start another."""
     leaves, treedef = jax.tree.flatten(args)
     key = (spec, which, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
     if key not in _compiled:
@@ -118,11 +132,21 @@ def compile_loop(spec: LoopSpec, which: str, args):
             fn = jax.jit(functools.partial(_prefill, spec))
         else:
             fn = jax.jit(functools.partial(_rounds, spec), donate_argnums=(2,))  # the loop state is updated in place
-        _compiled[key] = fn.lower(*args).compile()
+        _compiled[key] = _COMPILER.submit(fn.lower(*args).compile)
         while len(_compiled) > MAX_COMPILED:
             _compiled.popitem(last=False)
     _compiled.move_to_end(key)
-    return _compiled[key]
+    compiling = _compiled[key]
+
+    def wait():
+        try:
+            return compiling.result()
+        except BaseException:
+            if _compiled.get(key) is compiling:  # a failed compile is not kept: the next call tries again
+                del _compiled[key]
+            raise
+
+    return wait
 
 
 def place(x: np.ndarray, mesh: Mesh | None, rules: ShardingRules) -> jax.Array:

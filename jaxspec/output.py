@@ -20,9 +20,13 @@ class GenerateOutput:
     accepted_hist: np.ndarray  # [B, K+1]: rounds in which a row accepted exactly i drafts
     # The rounds' price in plain decoding steps by the adaptive schedule's cost model (0: nothing priced them).
     priced_steps: float
-    compile_seconds: float  # the loop's compiles, and the adaptive schedule's step costs when measured (costs.py)
+    # The call's wall time in three parts that add up to it: compile_seconds (the loop's compiles, and the adaptive
+    # schedule's step costs when measured, costs.py), then prefill + rounds. The round loop compiles while the prefill
+    # runs; the time they overlapped counts as compile.
+    compile_seconds: float
     decode_seconds: float  # prefill + rounds, compile excluded
     prefill_seconds: float = float("nan")
+    first_token_seconds: float = float("nan")  # from the call's start until the prefill's tokens were ready
     strategy: str = "greedy"
     tree_rounds: int = 0  # rounds that verified a tree: alternatives beside the drafter's chain (`tree=`)
     drafter_summary: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
@@ -84,6 +88,7 @@ class GenerateOutput:
             "modelled_speedup": self.modelled_speedup,
             "compile_seconds": self.compile_seconds,
             "prefill_seconds": self.prefill_seconds,
+            "first_token_seconds": self.first_token_seconds,
             "decode_seconds": self.decode_seconds,
             "tokens_per_second": self.tokens_per_second,
         }
@@ -105,6 +110,7 @@ class Timings:
     compile_seconds: float  # compiles, and measuring step costs where the schedule does
     prefill_seconds: float
     decode_seconds: float  # prefill + rounds
+    first_token_seconds: float  # from the call's start until the prefill's tokens were ready
 
 
 def unpack(final: FinalState, given: np.ndarray, prompt_lengths: np.ndarray, pad_id: int, timings: Timings,
@@ -131,6 +137,7 @@ def unpack(final: FinalState, given: np.ndarray, prompt_lengths: np.ndarray, pad
         compile_seconds=timings.compile_seconds,
         decode_seconds=timings.decode_seconds,
         prefill_seconds=timings.prefill_seconds,
+        first_token_seconds=timings.first_token_seconds,
         strategy=strategy,
         tree_rounds=int(counters.tree_rounds),
         drafter_summary={k: np.asarray(v) for k, v in final.drafter_summary.items()},

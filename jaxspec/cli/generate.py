@@ -254,7 +254,8 @@ def print_report(out, report: dict, text: str, streamed: bool, load_seconds: flo
     print()
     print(f"[{out.strategy}] {int(out.num_new_tokens[0])} tokens in {out.decode_seconds:.2f}s = "
           f"{out.tokens_per_second:.1f} tok/s (prefill {out.prefill_seconds:.2f}s of it; load {load_seconds:.1f}s, "
-          f"compile {out.compile_seconds:.1f}s apart)")
+          f"compile {out.compile_seconds:.1f}s apart; first token {load_seconds + out.first_token_seconds:.1f}s "
+          f"after the start)")
     trees = f", tree rounds {out.tree_rounds}" if out.tree_rounds else ""  # the rest verified the chain alone
     print(f"target forwards {out.target_forwards}, rounds {out.rounds}{trees}, draft forwards {out.draft_forwards}")
     if int(out.drafted.sum()):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 
 import jax
 import numpy as np
@@ -100,6 +102,71 @@ def test_a_larger_buffer_compiles_once_more(tmp_path):
     before = loop.trace_count()
     jaxspec.generate(model, [[1 + i % 100 for i in range(300)]], max_new_tokens=8)  # 308 positions: a 512-token buffer
     assert loop.trace_count() == before + 2  # its prefill and its round loop
+
+
+class GatedCompiler(concurrent.futures.ThreadPoolExecutor):
+    """The loop's compile worker with the round loop held back: the first compile (the prefill's) runs at once, the
+    second (the rounds') waits until `release` is set, or `limit` seconds. `finished` counts compiles that ran."""
+
+    def __init__(self, limit: float):
+        super().__init__(max_workers=1)
+        self.release, self.limit, self.submitted, self.finished = threading.Event(), limit, 0, 0
+
+    def submit(self, compile_fn):
+        self.submitted += 1
+        gated = self.submitted > 1
+
+        def run():
+            if gated:
+                self.release.wait(self.limit)
+            compiled = compile_fn()
+            self.finished += 1
+            return compiled
+
+        return super().submit(run)
+
+
+@pytest.fixture
+def gated_compiler(monkeypatch):
+    compiler = GatedCompiler(limit=120.0)
+    monkeypatch.setattr(loop, "_COMPILER", compiler)
+    loop._compiled.clear()  # compile again, through the gate
+    yield compiler
+    compiler.release.set()
+    compiler.shutdown(wait=True)
+    loop._compiled.clear()  # a loop compiled here is not shared with later tests
+
+
+def test_streamed_first_tokens_come_before_the_round_loop_has_compiled(llama, gated_compiler):
+    """The prefill runs while the round loop compiles on a worker thread, and a streamed call hands out the
+    prefill's tokens before it waits for that compile. If it waited first, the first callback would come only after
+    the gate's limit, with the round loop compiled; here the callback itself releases the round loop."""
+    gated_compiler.release.set()
+    plain = jaxspec.generate(llama, [[5, 6, 7, 8]], max_new_tokens=10, eos_token_id=[])
+    gated_compiler.release.clear()
+    gated_compiler.submitted = gated_compiler.finished = 0
+    loop._compiled.clear()
+    compiled_before = []
+
+    def on_tokens(fresh):
+        compiled_before.append(gated_compiler.finished)
+        gated_compiler.release.set()
+
+    out = jaxspec.generate(llama, [[5, 6, 7, 8]], max_new_tokens=10, eos_token_id=[], on_tokens=on_tokens)
+    assert gated_compiler.submitted == 2  # the prefill, then the rounds
+    assert compiled_before[0] == 1  # the first tokens came while the round loop was still held back
+    np.testing.assert_array_equal(out.sequences, plain.sequences)
+    assert out.first_token_seconds <= out.compile_seconds + out.decode_seconds
+
+
+def test_a_call_whose_rows_end_in_the_prefill_waits_for_no_round_loop(llama, gated_compiler):
+    """max_new_tokens=1 is the prefill's token alone: the call returns without waiting for the round loop's compile,
+    which goes on in the background, and a second call shares it rather than starting another."""
+    first = jaxspec.generate(llama, [[5, 6, 7, 8]], max_new_tokens=1)
+    again = jaxspec.generate(llama, [[5, 6, 7, 8]], max_new_tokens=1)
+    assert gated_compiler.finished == 1 and gated_compiler.submitted == 2  # the prefill compiled; the rounds wait
+    assert first.num_new_tokens.tolist() == again.num_new_tokens.tolist() == [1]
+    np.testing.assert_array_equal(first.sequences, again.sequences)
 
 
 def test_ragged_list_equals_padded_batch(llama):
