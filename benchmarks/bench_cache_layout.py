@@ -84,7 +84,7 @@ def measure_side(models: list[str], new_tokens: int, repeats: int) -> dict:
         for _ in range(repeats):
             o = jaxspec.generate(model, ids, max_new_tokens=new_tokens, eos_token_id=[])
             steps.append((o.decode_seconds - o.prefill_seconds) / (int(o.num_new_tokens[0]) - 1))
-        (hlo,) = [c.as_text() for key, c in loop._compiled.items() if key[1] == "rounds"]
+        (hlo,) = [c.as_text() for c in loop.compiled("rounds")]
         size = buffer_size(len(ids[0]) + new_tokens + 1, default_prefill_chunk())  # as generate() sizes it
         cache = jax.eval_shape(lambda: model.module.init_cache(1, size))
         _, weights = weight_bytes_per_token(model.module)

@@ -53,7 +53,7 @@ def main(argv=None) -> None:
             inplace.MODE = mode  # read when a loop is traced; the loops of the other mode are dropped first
             loop._compiled.clear()
             jaxspec.generate(target, [[5, 6, 7, 8]], max_new_tokens=4, eos_token_id=[], **kwargs)
-            (hlo,) = [compiled.as_text() for key, compiled in loop._compiled.items() if key[1] == "rounds"]
+            (hlo,) = [compiled.as_text() for compiled in loop.compiled("rounds")]
             found = counts(hlo)
             print(f"| {strategy} | {mode} | {found['while']} | {found['conditional']} | {found['fusion']} |",
                   flush=True)

@@ -17,6 +17,8 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import queue
+import threading
 from typing import Any, Callable
 
 import jax
@@ -108,8 +110,38 @@ class VerifyResult:
 
 MAX_COMPILED = 32  # a long session (a notebook, a test run) should not keep every executable alive
 _compiled: collections.OrderedDict[Any, concurrent.futures.Future] = collections.OrderedDict()
-# One worker: XLA already compiles a module on several threads, and the prefill and the rounds never compile at once.
-_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxspec-compile")
+
+
+class _Compiler:
+    """Runs compiles in order on one daemon thread: XLA already compiles a module on several threads, and the prefill
+    and the rounds never compile at once. A daemon, because concurrent.futures joins its workers at exit: a process
+    interrupted (Ctrl-C) while a loop compiles would wait for XLA to finish before it could exit."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, compile_fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, compile_fn))
+        with self._lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="jaxspec-compile", daemon=True)
+                self._worker.start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, compile_fn = self._queue.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(compile_fn())
+                except BaseException as error:  # handed to the caller that waits for it
+                    future.set_exception(error)
+
+
+_COMPILER = _Compiler()
 
 
 def compile_loop(spec: LoopSpec, which: str, args):
@@ -147,6 +179,12 @@ def compile_in_background(spec: LoopSpec, which: str, args) -> Callable[[], Any]
             raise
 
     return wait
+
+
+def compiled(which: str) -> list:
+    """The `which` ("prefill" or "rounds") executables this process keeps, oldest first, once compiled (tests and
+    benchmarks read their HLO)."""
+    return [compiling.result() for key, compiling in list(_compiled.items()) if key[1] == which]
 
 
 def place(x: np.ndarray, mesh: Mesh | None, rules: ShardingRules) -> jax.Array:

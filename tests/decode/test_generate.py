@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import subprocess
+import sys
 import threading
+import time
 
 import jax
 import numpy as np
@@ -167,6 +170,17 @@ def test_a_call_whose_rows_end_in_the_prefill_waits_for_no_round_loop(llama, gat
     assert gated_compiler.finished == 1 and gated_compiler.submitted == 2  # the prefill compiled; the rounds wait
     assert first.num_new_tokens.tolist() == again.num_new_tokens.tolist() == [1]
     np.testing.assert_array_equal(first.sequences, again.sequences)
+
+
+def test_a_process_exits_without_waiting_for_a_compile_under_way():
+    """A process interrupted while the round loop compiles (Ctrl-C at the first tokens) exits at once: the compile
+    worker is a daemon, where concurrent.futures would join it at exit and wait out XLA's compile."""
+    code = ("import threading\nfrom jaxspec import loop\n"
+            "loop._COMPILER.submit(lambda: threading.Event().wait(120))\nprint('submitted', flush=True)")
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0 and "submitted" in done.stdout, done.stderr
+    assert time.perf_counter() - started < 60  # importing jaxspec takes seconds; the compile it left, 120
 
 
 def test_ragged_list_equals_padded_batch(llama):

@@ -74,7 +74,7 @@ def test_rounds_loop_never_copies_a_whole_cache(tiny_llama_dir, tiny_llama_draft
               "early_exit": dict(assistant_early_exit=1)}[strategy]
     loop._compiled.clear()
     jaxspec.generate(target, [[5, 6, 7, 8]], max_new_tokens=6, eos_token_id=[], **kwargs)
-    (text,) = [compiled.as_text() for key, compiled in loop._compiled.items() if key[1] == "rounds"]
+    (text,) = [compiled.as_text() for compiled in loop.compiled("rounds")]
     assert _caches(text, copies=False)  # the caches are there ...
     assert _caches(text, copies=True) == []  # ... and never copied
 
@@ -110,7 +110,7 @@ def test_attention_copies_no_layer_cache(tmp_path, family):
     target = jaxspec.load(_tiny(family, tmp_path))
     loop._compiled.clear()
     jaxspec.generate(target, [[5, 6, 7, 8]], max_new_tokens=6, eos_token_id=[])
-    (text,) = [compiled.as_text() for key, compiled in loop._compiled.items() if key[1] == "rounds"]
+    (text,) = [compiled.as_text() for compiled in loop.compiled("rounds")]
     cache = jax.eval_shape(lambda: target.module.init_cache(1, min_buffer()))
     stacks = [x for x in jax.tree.leaves(cache) if x.ndim >= 4]  # [L, B, ..., S, F]: per layer, keys and values
     assert all(f"f32[{','.join(map(str, x.shape))}]" in text for x in stacks)  # the caches are in the loop ...
@@ -130,7 +130,7 @@ def test_lax_branches_decode_the_same_tokens_with_conditionals_in_the_loop(tiny_
         loop._compiled.clear()
         out = jaxspec.generate(target, [[5, 6, 7, 8, 5, 6], [9, 3]], max_new_tokens=12, eos_token_id=[],
                                prompt_lookup_num_tokens=4)
-        (text,) = [compiled.as_text() for key, compiled in loop._compiled.items() if key[1] == "rounds"]
+        (text,) = [compiled.as_text() for compiled in loop.compiled("rounds")]
         outputs[mode] = [out.new_tokens(row).tolist() for row in range(2)]
         conditionals[mode] = len(re.findall(r" conditional\(", text))
         loops[mode] = len(re.findall(r" while\(", text))
