@@ -3,22 +3,19 @@ figures behind the adaptive schedule's verify costs (`jaxspec.strategies.base.de
 `generate` measures for itself: jaxspec/costs.py, whose timing loop this script runs).
 
     python benchmarks/bench_verify_width.py [--model smollm2-135m] [--widths 1,2,3,4,8] [--steps 20]
-        [--quantization int8] [--scan-layers] [--per-row] [--results benchmarks/results]
+        [--quantization int8] [--scan-layers] [--results benchmarks/results]
 
 Per width, one jitted loop of `--steps` target forwards at batch 1 that writes a 512-position cache in place (as
 the decode loop does; the cache is donated), from position 200; best of 4 runs, printed as milliseconds per forward
 and as the ratio to width 1, side by side in one run. Where `generate` verifies with a contiguous copy of a tied
 head (on CPU: jaxspec/head.py), both heads are timed: the tied embedding read through a transpose, and the copy that
-decoding uses. Timing single calls instead would add a copy of the whole cache and a dispatch to every width, which
+decoding uses for one-row forwards (the two columns differ at width 1 only). Timing single calls instead would add a copy of the whole cache and a dispatch to every width, which
 hides most of the difference. On a CPU the ratio shows what leaving the memory-bound matrix-vector path costs (the
 LM head's matrix multiply at 2 rows costs about twice its 1-row product); on an accelerator it stays near 1.
 `--scan-layers` (Llama-family models) adds two columns timed in alternating runs: the forward as it is, and the
 same forward with its decoder layers run by a `lax.scan` over stacked copies of their weights, with each one's
 compile seconds: what MaxText's `scan_layers` would cost a step and save a compile here (docs/design.md, 'The model
 contract').
-`--per-row` adds two columns timed in alternating runs, with each one's compile seconds: the forward as `generate`
-runs it, where on a CPU a block of 2-4 tokens runs its MLPs and LM head one row at a time (models/int8.py,
-`per_row`), and the same forward with every product over the whole block at once.
 `--quantization int8` adds a column for the same model through `jaxspec.quantize` (int8 weights and activations:
 what an int8 assistant's forward costs, with the model's own head, as an assistant drafts), and its one-token forward
 over the float model's. The table also goes to a JSON record in `--results` (benchmarks/_record.py, a sibling
@@ -40,7 +37,6 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--quantization", default=None, choices=("int8",))
     p.add_argument("--scan-layers", action="store_true", help="add columns: decoder layers under lax.scan")
-    p.add_argument("--per-row", action="store_true", help="add columns: blocks of 2-4 row by row, or not")
     add_results_argument(p)
     args = p.parse_args(argv)
     record = Record("bench_verify_width", __file__, argv, args.results)
@@ -69,13 +65,6 @@ def main(argv=None) -> None:
             heads[variant] = (model, copy)
             milliseconds[variant] = {w: timed[w, scan][0] for w in widths}
             compiles[compile_column] = {w: timed[w, scan][1] for w in widths}
-    if args.per_row:
-        timed = _per_row_loops_ms(model, widths, copy, args.steps)
-        for variant, compile_column, split in (("row by row (generate)", "row by row: compile s", True),
-                                               ("whole block", "whole block: compile s", False)):
-            heads[variant] = (model, copy)
-            milliseconds[variant] = {w: timed[w, split][0] for w in widths}
-            compiles[compile_column] = {w: timed[w, split][1] for w in widths}
     title = f"verify width cost: {args.model}, {jax.default_backend()}, {model.dtype}, batch 1"
     print(f"# {title}\n")
     print("| width | " + " | ".join(f"{name}: ms | vs one token" for name in heads)
@@ -155,53 +144,6 @@ def _layer_loops_ms(model, widths, head, steps: int, runs: int = 6) -> dict[tupl
             result[width, scan] = (float("inf"), time.perf_counter() - started)
             caches[width, scan] = compiled[width, scan](state, stacked, head, cache)[0]  # warm
     return _take_turns(compiled, caches, result, steps, runs, state, stacked, head)
-
-
-def _per_row_loops_ms(model, widths, head, steps: int, runs: int = 8) -> dict[tuple[int, bool], tuple[float, float]]:
-    """{(width, row by row): (milliseconds per forward, compile seconds)}: loops of `steps` forwards at batch 1, as
-    `jaxspec.costs.time_forwards` runs them, traced with `per_row` splitting blocks of 2-4 rows (the default) or
-    not (`PER_ROW_MAX` = 1 while tracing; jit caches are cleared between the two, since each decoder layer is a
-    jitted call traced once per shape). The loops take turns, run after run, and the fastest run of each counts."""
-    import time
-
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxspec import costs
-    from jaxspec.models import int8
-
-    graphdef, state = nnx.split(model.module)
-
-    def loop(width, state, head, cache):
-        net = nnx.merge(graphdef, state)
-
-        def step(i, carry):
-            cache, checksum = carry
-            tokens = jnp.ones((1, width), jnp.int32)
-            positions = (costs.START_POSITION + i * width + jnp.arange(width))[None, :]  # [1, W]
-            logits, _, cache = net(tokens, positions, cache, head=head)
-            return cache, checksum + logits[0, 0, 0]
-
-        return jax.lax.fori_loop(0, steps, step, (cache, jnp.zeros((), jnp.float32)))
-
-    compiled, caches, result = {}, {}, {}
-    default_max = int8.PER_ROW_MAX
-    try:
-        for split in (True, False):
-            int8.PER_ROW_MAX = default_max if split else 1
-            jax.clear_caches()
-            run = jax.jit(loop, static_argnums=0, donate_argnums=3)
-            for width in widths:
-                cache = model.module.init_cache(1, costs.CACHE_SIZE)
-                started = time.perf_counter()
-                compiled[width, split] = run.lower(width, state, head, cache).compile()
-                result[width, split] = (float("inf"), time.perf_counter() - started)
-                caches[width, split] = compiled[width, split](state, head, cache)[0]  # warm
-    finally:
-        int8.PER_ROW_MAX = default_max
-        jax.clear_caches()
-    return _take_turns(compiled, caches, result, steps, runs, state, head)
 
 
 def _take_turns(compiled: dict, caches: dict, result: dict, steps: int, runs: int, *inputs) -> dict:

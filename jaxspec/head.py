@@ -1,12 +1,13 @@
 """The verifying LM head in the layout XLA:CPU multiplies fastest.
 
 A tied head is the embedding read as [D, V] through a transpose of its [V, D] array (on a CPU, a `TransposedWeight`
-that the product reads in place: models/int8.py `tied_head`). For one or two rows XLA:CPU multiplies a contiguous [D, V]
-array fastest, row by row; from 3 to 32 rows (a wide verify block, a batch of 8) the embedding read in place as an
-elementwise product and a sum (`_multiply_reduce`), and beyond that by its matrix multiply in place.
+that the product reads in place: models/int8.py `tied_head`). For one row XLA:CPU multiplies a contiguous [D, V]
+array fastest; two rows by the embedding's matrix multiply in place; from 3 to 32 rows (a wide verify block, a batch
+of 8) the embedding read in place as an elementwise product and a sum (`_multiply_reduce`), and beyond that by its
+matrix multiply in place.
 
 So on CPU, `generate` hands the loop a contiguous [D, V] copy of a tied head (`verify_head`) and the target's
-verifying forwards of up to two rows use it (`Context.head`, `for_rows`). The copy costs a second embedding's
+verifying forwards of one row use it (`Context.head`, `for_rows`). The copy costs a second embedding's
 memory (V * D params) for as long as the model lives and one transpose when it is first made, so it is made once
 per model and kept. Accelerators choose their own layouts and get no copy; neither do untied heads, which are
 stored [D, V] already (see docs/design.md, 'Verify widths and the CPU head copy').
@@ -18,7 +19,7 @@ import jax
 from jax.sharding import Mesh
 
 from .loading import Model
-from .models.int8 import MULTIPLY_REDUCE_MIN_ROWS, SCALE_SUFFIX
+from .models.int8 import SCALE_SUFFIX
 
 _transpose = jax.jit(lambda matrix: matrix.T)
 
@@ -29,13 +30,15 @@ def is_quantized(model: Model) -> bool:
 
 
 def wants_contiguous_head(model: Model) -> bool:
-    """A tied head on XLA:CPU: the case where a [D, V] copy makes verify blocks cheaper."""
+    """A tied head on XLA:CPU: the case where a [D, V] copy makes one-row forwards cheaper."""
     if not getattr(model.config, "tie_word_embeddings", False) or is_quantized(model):
         return False  # an int8 head (jaxspec.quantize) keeps its own layout and scales
     return all(device.platform == "cpu" for device in model.module.embed[...].devices())
 
 
-COPY_MAX_ROWS = MULTIPLY_REDUCE_MIN_ROWS - 1  # the most rows (batch x block width) a forward multiplies by the copy
+# The most rows (batch x block width) a forward multiplies by the copy: two rows ran faster on the embedding in place
+# once blocks of 2-4 rows were no longer split row by row (docs/design.md, 'Verify blocks on a CPU').
+COPY_MAX_ROWS = 1
 
 
 def for_rows(head: jax.Array | None, rows: int) -> jax.Array | None:

@@ -615,12 +615,6 @@ def _layer_call(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, slot
                           inv_freq, tree)
 
 
-def _projections(p, names: tuple[str, ...], h: jax.Array) -> tuple[jax.Array, ...]:
-    """h [..., D] by each named [D, N, Dh] weight -> [..., N, Dh] each (queries, and keys and values where the layer
-    computes its own); one `per_row` step, so a verify block of 2-4 rows on a CPU runs them in one loop."""
-    return tuple(I.project("...d,dhk->...hk", h, p[name]) for name in names)
-
-
 def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, slot, layer_type: str,
                    computes_kv: bool, value_proj: bool, inv_freq, tree=None):
     """One Gemma block: norm -> attention -> norm, residual; norm -> MLP -> norm, residual; then Gemma 4's per-layer
@@ -635,7 +629,7 @@ def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, s
     h = L.gemma_rms_norm(x, p["attn_norm"], eps, offset)
     own_kv = ("wk", "wv") if value_proj else ("wk",)  # k_eq_v: no value projection
     names = ("wq",) + (own_kv if computes_kv else ())  # a layer sharing another's keys projects queries only
-    q, *kv = I.per_row(functools.partial(_projections, p, names), h, *(p[name] for name in names))  # [B, T, H, Dh]
+    q, *kv = (I.project("...d,dhk->...hk", h, p[name]) for name in names)  # [B, T, H, Dh] each
     if cfg.qk_norm:
         q = L.gemma_rms_norm(q, p["q_norm"], eps, offset)
     q = L.apply_rope(q, positions, inv_freq)

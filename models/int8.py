@@ -10,8 +10,7 @@ Names: `project(spec, x, w)` is `jnp.einsum(spec, x, w)` for a plain array and t
 `Int8Weight`, so model code has one call for both; a `TransposedWeight` (a float weight stored with its contracted
 axes last, as jaxspec lays projections out on a CPU: jaxspec/layout.py) multiplies as the weight it stands for.
 Specs contract the trailing axes of `x` with leading or trailing axes of `w` and share no batch axis between them,
-as every projection of the model families does. On XLA:CPU, `per_row(fn, x, *weights)` runs a row-wise step of 2-4
-rows one row at a time, as `project` does for LM heads.
+as every projection of the model families does.
 """
 
 from __future__ import annotations
@@ -150,8 +149,7 @@ def project(spec: str, x: jax.Array, w, preferred_element_type=None) -> jax.Arra
     if isinstance(w, TransposedWeight):
         return _transposed_product(spec, x, w, preferred_element_type)
     if not isinstance(w, Int8Weight):
-        rows = _per_row(spec, x, w, preferred_element_type)
-        return rows if rows is not None else jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
+        return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     x_axes, w_axes, out_axes = _parse(spec, x.ndim)
     contracted = [a for a in x_axes if a in w_axes and a not in out_axes]
     if set(x_axes) & set(w_axes) - set(contracted):
@@ -173,54 +171,11 @@ def project(spec: str, x: jax.Array, w, preferred_element_type=None) -> jax.Arra
     return out.astype(preferred_element_type or x.dtype)
 
 
-PER_ROW_MAX = 4  # the most rows `per_row` splits: at 8, one matrix product costs less than 8 row products
-PER_ROW_MIN_WEIGHT = 1 << 23  # elements: `project` splits its rows itself for weights this large (LM heads)
-# Rows a tied head of PER_ROW_MIN_WEIGHT elements or more multiplies as an elementwise product and a sum
-# (`_multiply_reduce`): from 3 rows it beats the copy's row products, up to about 48 the matrix multiply in place.
+MULTIPLY_REDUCE_MIN_WEIGHT = 1 << 23  # elements: a tied head this large takes `_multiply_reduce` (not layer weights)
+# Rows a tied head of MULTIPLY_REDUCE_MIN_WEIGHT elements or more multiplies as an elementwise product and a sum
+# (`_multiply_reduce`): from 3 rows it beats the matrix multiply in place, up to about 48 rows.
 # A layer's [O, C] weight of that size (a 1.5B model's MLP) is multiplied faster by its matrix products.
 MULTIPLY_REDUCE_MIN_ROWS, MULTIPLY_REDUCE_MAX_ROWS = 3, 32
-
-
-def per_row(fn, x: jax.Array, *weights) -> jax.Array:
-    """`fn(x)` for a row-wise `fn` ([..., C] -> [..., F], rows independent), run one row at a time on XLA:CPU when
-    `x` has 2 to PER_ROW_MAX rows and `weights` (those `fn` multiplies by) are plain arrays.
-
-    A verify block of 2-4 tokens is where XLA:CPU's products are at their worst: it runs a product of a few rows as
-    a matrix multiply that streams the weight more slowly than its one-row matrix-vector product does. One row at a
-    time, each weight of a layer is still in the L3 cache when the next row reads it (figures: docs/design.md,
-    'Verify blocks on a CPU'). The rows run in a `lax.map`, whose body XLA compiles once, and a caller groups the
-    products of one row-wise step (an MLP) into one `fn`, since each map adds compile time (unrolled, every split
-    compiled in 3-4 times as long as one product). Int8 weights keep their own kernel, which is slow on a single row
-    (`_pad_single_row`)."""
-    rows = math.prod(x.shape[:-1])
-    if (jax.default_backend() != "cpu" or not 2 <= rows <= PER_ROW_MAX
-            or any(isinstance(w, Int8Weight) for w in weights)):
-        return fn(x)
-    out = jax.lax.map(fn, x.reshape(rows, x.shape[-1]))  # [N, F] (each output of fn)
-    return jax.tree.map(lambda part: part.reshape(x.shape[:-1] + part.shape[1:]), out)
-
-
-def _per_row(spec: str, x: jax.Array, w: jax.Array, preferred_element_type) -> jax.Array | None:
-    """`project`'s own `per_row` for a weight of at least PER_ROW_MIN_WEIGHT elements (an LM head, which no cache
-    holds, but which a matrix-vector product streams faster, row after row, than a product of a few rows does); None
-    where `jnp.einsum` serves (smaller weights, other backends and row counts, specs whose contracted axes are not
-    x's trailing ones). The rows are unrolled: in a `lax.map`, a tied head read through a transpose of the embedding
-    was copied whole every call."""
-    if jax.default_backend() != "cpu" or w.size < PER_ROW_MIN_WEIGHT:
-        return None
-    x_axes, w_axes, out_axes = _parse(spec, x.ndim)
-    contracted = "".join(a for a in x_axes if a in w_axes and a not in out_axes)
-    free_x = x_axes[: len(x_axes) - len(contracted)]
-    free_w = "".join(a for a in w_axes if a not in contracted)
-    rows = math.prod(x.shape[: len(free_x)])
-    if not 2 <= rows <= PER_ROW_MAX or not x_axes.endswith(contracted) or sorted(out_axes) != sorted(free_x + free_w):
-        return None
-    row_spec = f"{contracted},{w_axes}->{free_w}"
-    flat = x.reshape((rows,) + x.shape[len(free_x):])  # [N, *contracted]
-    out = jnp.stack([jnp.einsum(row_spec, flat[i], w, preferred_element_type=preferred_element_type)
-                     for i in range(rows)])  # unrolled: in a loop, a transposed view (a tied head) would be copied
-    out = out.reshape(x.shape[: len(free_x)] + out.shape[1:])  # [*x's free axes, *w's free axes]
-    return jnp.transpose(out, [(free_x + free_w).index(a) for a in out_axes])
 
 
 def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_element_type) -> jax.Array:
@@ -228,10 +183,10 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
 
     The weight is flattened to [O, C] and x to [N, C]. One row is the matrix-vector product w @ x, the weight as the
     left operand: as the right one, XLA would first copy it into [C, O] (its dot canonicalization wants a right
-    operand's contracted axes first). On XLA:CPU, 2 to PER_ROW_MAX rows take that product one row at a time in a
-    `lax.map` (as `per_row` does; unrolled, the rounds loop compiled longer: docs/design.md, 'Weights on a CPU').
-    More rows multiply x by the weight's 2-D transpose, which the matrix multiply reads in place. A tied LM head
-    (`tied_head`) of PER_ROW_MIN_WEIGHT elements or more takes `_multiply_reduce` from 3 to 32 rows instead. A spec
+    operand's contracted axes first). More rows multiply x by the weight's 2-D transpose, which the matrix multiply
+    reads in place (on this layout, faster than one row at a time: docs/design.md, 'Verify blocks on a CPU'). A tied
+    LM head (`tied_head`) of MULTIPLY_REDUCE_MIN_WEIGHT elements or more takes `_multiply_reduce` from 3 to 32 rows
+    instead. A spec
     whose contracted axes are not x's trailing ones in the stored order falls back to an einsum (no model code has
     one)."""
     x_axes, w_axes, out_axes = _parse(spec, x.ndim)
@@ -243,14 +198,11 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
     rows, inner = math.prod(x.shape[: len(free_x)]), math.prod(x.shape[len(free_x):])
     w2 = w.values.reshape(-1, inner)  # [O, C]
     x2 = x.reshape(rows, inner)  # [N, C]
-    cpu = jax.default_backend() == "cpu"
     if rows == 1:
         out = jnp.matmul(w2, x2[0], preferred_element_type=preferred_element_type)[None]  # [1, O]
-    elif (cpu and w.is_head and w2.size >= PER_ROW_MIN_WEIGHT
+    elif (jax.default_backend() == "cpu" and w.is_head and w2.size >= MULTIPLY_REDUCE_MIN_WEIGHT
           and MULTIPLY_REDUCE_MIN_ROWS <= rows <= MULTIPLY_REDUCE_MAX_ROWS):
         out = _multiply_reduce(x2, w2, preferred_element_type)
-    elif cpu and rows <= PER_ROW_MAX:
-        out = jax.lax.map(lambda row: jnp.matmul(w2, row, preferred_element_type=preferred_element_type), x2)
     else:
         out = jnp.matmul(x2, w2.T, preferred_element_type=preferred_element_type)  # [N, O]
     out = out.reshape(x.shape[: len(free_x)] + w.values.shape[: len(free_w)])

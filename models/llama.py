@@ -384,7 +384,7 @@ def _decoder_layer(cfg: LlamaConfig, p, x, positions, cache: KVCache, index, inv
     positions when the layer slides (Qwen2/Qwen3's use_sliding_window). A tree-shaped block (`tree`) is written at
     its slots and attends as jaxspec/tree.py lays it out."""
     h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = I.per_row(functools.partial(_qkv, p), h, p["wq"], p["wk"], p["wv"])  # [B, T, H | K | K, Dh]
+    q, k, v = (I.project("...d,dhk->...hk", h, p[name]) for name in ("wq", "wk", "wv"))  # [B, T, H | K | K, Dh]
     if cfg.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if cfg.qk_norm:  # Qwen3: over each head's Dh features, after the bias and before RoPE (HF Qwen3Attention)
@@ -406,12 +406,6 @@ def _decoder_layer(cfg: LlamaConfig, p, x, positions, cache: KVCache, index, inv
     else:
         attn = L.attend_live(L.cached_attention, q, cache.k, cache.v, positions, scale, layer=index)
     return _block_output(cfg, p, x, attn), cache
-
-
-def _qkv(p, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Queries, keys and values of h [..., D]: [..., H, Dh], [..., K, Dh], [..., K, Dh]; one `per_row` step, so a
-    verify block of 2-4 rows on a CPU runs the three in one loop."""
-    return tuple(I.project("...d,dhk->...hk", h, p[name]) for name in ("wq", "wk", "wv"))
 
 
 def _block_output(cfg: LlamaConfig, p, x, attn) -> jax.Array:

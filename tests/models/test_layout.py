@@ -51,20 +51,20 @@ def test_a_tied_head_is_the_embedding_read_in_place():
     np.testing.assert_allclose(I.project("...d,dv->...v", hidden, head), hidden @ embed.T, rtol=1e-5, atol=1e-5)
 
 
-def test_the_head_copy_serves_blocks_of_up_to_two_rows():
+def test_the_head_copy_serves_forwards_of_one_row():
     copy = jnp.zeros((16, 50))
-    assert COPY_MAX_ROWS == I.MULTIPLY_REDUCE_MIN_ROWS - 1 == 2
-    assert all(for_rows(copy, rows) is copy for rows in (1, 2))
-    assert for_rows(copy, 3) is None and for_rows(copy, 8) is None and for_rows(None, 1) is None
+    assert COPY_MAX_ROWS == 1
+    assert for_rows(copy, 1) is copy
+    assert for_rows(copy, 2) is None and for_rows(copy, 8) is None and for_rows(None, 1) is None
 
 
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 11, 32, 33])
 def test_a_head_sized_weight_in_place_takes_the_multiply_reduce_from_3_to_32_rows(rows):
-    """A tied head of PER_ROW_MIN_WEIGHT elements or more, read in place, is multiplied as an elementwise product
+    """A tied head of MULTIPLY_REDUCE_MIN_WEIGHT elements or more, read in place, is multiplied as an elementwise product
     and a sum from 3 to 32 rows (beyond 4 padded to a multiple of 8), by matrix products at 2 and 33; all equal the
     einsum. A layer's weight of that size is not a head, and keeps its matrix products."""
     dim = 64
-    embed = jax.random.normal(jax.random.PRNGKey(0), (I.PER_ROW_MIN_WEIGHT // dim + 8, dim))  # [V, D]
+    embed = jax.random.normal(jax.random.PRNGKey(0), (I.MULTIPLY_REDUCE_MIN_WEIGHT // dim + 8, dim))  # [V, D]
     hidden = jax.random.normal(jax.random.PRNGKey(rows), (1, rows, dim))
     head = I.tied_head(embed)
     logits = I.project("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)

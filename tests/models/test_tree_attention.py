@@ -67,8 +67,8 @@ def test_each_node_sees_its_path_and_the_accepted_path_compacts_to_a_chain(model
     logits, _, cache = model(ids, positions, _prefilled(model), tree=block)
     for entry, nodes in PATHS.items():
         expected, _ = _chain(model, _prefilled(model), nodes)
-        # The chain and the 6-entry block multiply in different kernels on CPU (models/int8.py, `per_row`), which
-        # sum in other orders: Gemma 2's logits then differ by up to 7e-5 on some CPUs. A node that saw another
+        # The chain and the 6-entry block multiply in different kernels on CPU (a chain's first entry is one row,
+        # a matrix-vector product; the block's six rows a matrix multiply), which sum in other orders: Gemma 2's logits then differ by up to 7e-5 on some CPUs. A node that saw another
         # node's path would be off by the logits' own scale (1-5).
         np.testing.assert_allclose(logits[0, entry], expected[0, -1], rtol=1e-5, atol=1e-4)
 
