@@ -154,14 +154,14 @@ def generate_with_drafter(
         prices = price_loop(call, prefill, rounds, model, assistant, batch=prompts.size)
         return (call if prices is None else call.priced(prices)), rounds
 
-    waited = time.perf_counter()
-    state, waited_seconds = _run_rounds(ready, state, control)
+    rounds_started = time.perf_counter()
+    state, waited = _run_rounds(ready, state, control)
     finished = time.perf_counter()
     # The parts add up to the call's wall time. The rounds' lowering ran beside the prefill and counts as compile;
     # the prefill counts for what it ran past it (on a warm call, nothing was lowered: all of it).
-    compile_seconds = (lowered - compile_started) + waited_seconds
+    compile_seconds = (lowered - compile_started) + waited
     prefill_seconds = prefill_done - lowered
-    decode_seconds = prefill_seconds + (finished - waited) - waited_seconds
+    decode_seconds = prefill_seconds + (finished - rounds_started) - waited
     final = FinalState(*distributed.fetch((state.tokens, state.lengths, state.counters,
                                            call.spec.drafter.summary(state.drafter), state.scores)))
     output = unpack(final, prompts.given, prompts.lengths, settings.pad_id,
@@ -170,8 +170,8 @@ def generate_with_drafter(
 
 
 def _run_rounds(ready, state, control: HostControl):
-    """Run the round loop from the prefilled `state`; -> (final state, seconds spent waiting for `ready() -> (call,
-    rounds)`, the compiled loop and the priced call). A call whose rows all ended in the prefill waits for nothing."""
+    """Run the round loop from the prefilled `state`; -> (final state, seconds spent in `ready()`, which returns the
+    priced call and the compiled round loop). A call whose rows all ended in the prefill waits for neither."""
     if control.active:
         return _run_watched(ready, state, control)
     if bool(np.all(distributed.fetch(state.done))):
@@ -260,7 +260,8 @@ def _lay_out(model: Model, assistant: Model | None, prompts: PromptBatch, drafte
 def _run_watched(ready, state, control: HostControl):
     """The round loop a few rounds per dispatch, the host streaming and stopping between dispatches; the state stays
     on the device, and the host reads only lengths and the token buffer. The prefill's tokens are handed out before
-    the first dispatch waits for `ready() -> (call, rounds)`; -> (final state, seconds spent waiting for it)."""
+    the first dispatch waits for `ready()` (the priced call and the compiled round loop); -> (final state, seconds
+    spent in it)."""
     call = rounds = None
     waited = 0.0
     per_dispatch, dispatched = control.rounds_per_dispatch or 1, None
