@@ -53,8 +53,8 @@ greedy decoding of the same batch (plain decoding's own passes too: a run-to-run
 A difference is printed with its row and first differing token and makes the script exit 1 once everything is
 printed. In bfloat16 a verify block can round differently from a one-token forward and flip a near-tied argmax
 (README, "What is guaranteed"): a difference late in a row is likely that, one at token 0 a bug. `--dtype float32`
-is the bit-identity check; on GPUs and TPUs set `JAX_DEFAULT_MATMUL_PRECISION=highest` with it, since JAX's default
-float32 matmul there is TF32 or bfloat16.
+is the strict check (only a tie within float32 rounding could flip); on GPUs and TPUs set
+`JAX_DEFAULT_MATMUL_PRECISION=highest` with it, since JAX's default float32 matmul there is TF32 or bfloat16.
 
 Roofline: a plain decoding step must read every weight of the target once (an untied input embedding only one row
 per token, MTP layers not at all) and each row's live KV cache (prompt and tokens so far, averaged over the steps;
