@@ -44,8 +44,8 @@ from _record import REPO, Record, add_results_argument
 
 HERE = "this checkout"
 CODE = ("jaxspec", "models", "convert")
-# The CLI's report line (jaxspec/cli/generate.py `print_report`): the first call's prefill, then load and compile.
-# The CLI's report line; a baseline older than 2026-12-05 prints no first token (it came after load, compile, prefill).
+# The CLI's report line (jaxspec/cli/generate.py `print_report`): the first call's prefill, load, compile and first
+# token; a baseline older than 2026-12-05 prints no first token (it came after load, compile and the prefill).
 CLI_REPORT = re.compile(r"prefill ([\d.]+)s of it; load ([\d.]+)s, compile ([\d.]+)s apart(?:; first token ([\d.]+)s)?")
 PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
