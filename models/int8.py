@@ -186,9 +186,8 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
     operand's contracted axes first). More rows multiply x by the weight's 2-D transpose, which the matrix multiply
     reads in place (on this layout, faster than one row at a time: docs/design.md, 'Verify blocks on a CPU'). A tied
     LM head (`tied_head`) of MULTIPLY_REDUCE_MIN_WEIGHT elements or more takes `_multiply_reduce` from 3 to 32 rows
-    instead. A spec
-    whose contracted axes are not x's trailing ones in the stored order falls back to an einsum (no model code has
-    one)."""
+    instead. A spec whose contracted axes are not x's trailing ones in the stored order falls back to an einsum (no
+    model code has one)."""
     x_axes, w_axes, out_axes = _parse(spec, x.ndim)
     stored = w.stored_axes(w_axes)
     contracted = "".join(a for a in stored if a in x_axes and a not in out_axes)
