@@ -9,9 +9,9 @@ Per width, one jitted loop of `--steps` target forwards at batch 1 that writes a
 the decode loop does; the cache is donated), from position 200; best of 4 runs, printed as milliseconds per forward
 and as the ratio to width 1, side by side in one run. Where `generate` verifies with a contiguous copy of a tied
 head (on CPU: jaxspec/head.py), both heads are timed: the tied embedding read through a transpose, and the copy that
-decoding uses for one-row forwards (the two columns differ at width 1 only). Timing single calls instead would add a copy of the whole cache and a dispatch to every width, which
-hides most of the difference. On a CPU the ratio shows what leaving the memory-bound matrix-vector path costs (the
-LM head's matrix multiply at 2 rows costs about twice its 1-row product); on an accelerator it stays near 1.
+decoding uses for one-row forwards (the two columns differ at width 1 only). Timing single calls instead would add a
+copy of the whole cache and a dispatch to every width, which hides most of the difference. On a CPU the ratio shows
+what leaving the memory-bound matrix-vector path costs; on an accelerator it stays near 1.
 `--scan-layers` (Llama-family models) adds two columns timed in alternating runs: the forward as it is, and the
 same forward with its decoder layers run by a `lax.scan` over stacked copies of their weights, with each one's
 compile seconds: what MaxText's `scan_layers` would cost a step and save a compile here (docs/design.md, 'The model

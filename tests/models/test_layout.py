@@ -60,9 +60,9 @@ def test_the_head_copy_serves_forwards_of_one_row():
 
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 11, 32, 33])
 def test_a_head_sized_weight_in_place_takes_the_multiply_reduce_from_3_to_32_rows(rows):
-    """A tied head of MULTIPLY_REDUCE_MIN_WEIGHT elements or more, read in place, is multiplied as an elementwise product
-    and a sum from 3 to 32 rows (beyond 4 padded to a multiple of 8), by matrix products at 2 and 33; all equal the
-    einsum. A layer's weight of that size is not a head, and keeps its matrix products."""
+    """A tied head of MULTIPLY_REDUCE_MIN_WEIGHT elements or more, read in place, is multiplied as an elementwise
+    product and a sum from 3 to 32 rows (beyond 4 padded to a multiple of 8), by matrix products at 2 and 33; all
+    equal the einsum. A layer's weight of that size is not a head, and keeps its matrix products."""
     dim = 64
     embed = jax.random.normal(jax.random.PRNGKey(0), (I.MULTIPLY_REDUCE_MIN_WEIGHT // dim + 8, dim))  # [V, D]
     hidden = jax.random.normal(jax.random.PRNGKey(rows), (1, rows, dim))
