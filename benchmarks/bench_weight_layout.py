@@ -3,15 +3,18 @@ on one CPU device, jaxspec/layout.py) against the same weights in the model code
 one process.
 
     python benchmarks/bench_weight_layout.py [--models smollm2-135m,qwen2.5-coder-0.5b] [--batch-sizes 1,8]
-        [--new-tokens 48] [--repeats 3] [--passes 2] [--results benchmarks/results]
+        [--sides all] [--new-tokens 48] [--repeats 3] [--passes 2] [--results benchmarks/results]
 
-Three sides share one loaded model (float32):
+The sides share one loaded model (float32); `--sides` picks some by their numbers (0,4: the model as loaded and
+`unfused`), the first always timed as the reference:
 - `[out, in]`: the model as `jaxspec.load` returns it;
 - `[in, out]`: its projections put back in the model code's layout (`jaxspec.layout.standard_layout`);
 - `[in, out], copy`: that, with the verifying forwards multiplying by the CPU head copy at every block size, as
   before the copy was kept to blocks of up to 4 rows (`jaxspec.head.COPY_MAX_ROWS`): the layout before both changes;
 - `matrix head`: the model as loaded, its tied head multiplied by matrix products at every row count (the copy's up
-  to 4 rows), as before 3-32 rows took an elementwise product and a sum (models/int8.py, `_multiply_reduce`).
+  to 4 rows), as before 3-32 rows took an elementwise product and a sum (models/int8.py, `_multiply_reduce`);
+- `unfused`: the model as loaded, but each projection in its own array and product, as before a layer's q, k and v,
+  and its gate and up, were fused into one buffer and one product each (`jaxspec.layout.FUSED_GROUPS`).
 
 Per model and batch size (rows from benchmarks/bench.py's prompts, ragged), each side decodes `--new-tokens` tokens
 with no end-of-sequence stop. A step is one target forward: (decode seconds - prefill seconds) / (new tokens - 1),
@@ -30,7 +33,7 @@ import sys
 
 from _record import Record, add_results_argument
 
-SIDES = ("[out, in]", "[in, out]", "[in, out], copy", "matrix head")
+SIDES = ("[out, in]", "[in, out]", "[in, out], copy", "matrix head", "unfused")
 BANDWIDTH_MB = 512
 
 
@@ -39,14 +42,23 @@ def twins(model, copy_rows: int) -> dict:
     `copy_rows`: the package's own `COPY_MAX_ROWS`."""
     from flax import nnx
 
+    import jax
+
     from jaxspec.layout import standard_layout
     from jaxspec.models import int8 as I
 
     graphdef, state = nnx.split(model.module)
     standard = dataclasses.replace(model, module=nnx.merge(graphdef, standard_layout(state)))
+
+    def alone(w):  # a fused group's member as its own array
+        return I.TransposedWeight(w.stored, w.perm, w.is_head) if isinstance(w, I.TransposedWeight) else w
+
+    unfused_state = jax.tree.map(alone, state, is_leaf=lambda leaf: isinstance(leaf, I.TransposedWeight))
+    unfused = dataclasses.replace(model, module=nnx.merge(graphdef, unfused_state))
     reduce_from = I.MULTIPLY_REDUCE_MIN_ROWS
     return {SIDES[0]: (model, copy_rows, reduce_from), SIDES[1]: (standard, copy_rows, reduce_from),
-            SIDES[2]: (standard, 1 << 30, 1 << 30), SIDES[3]: (model, 4, 1 << 30)}
+            SIDES[2]: (standard, 1 << 30, 1 << 30), SIDES[3]: (model, 4, 1 << 30),
+            SIDES[4]: (unfused, copy_rows, reduce_from)}
 
 
 def step_seconds(model, rows, new_tokens: int, repeats: int) -> tuple[float, list]:
@@ -65,6 +77,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
     parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--sides", default="all", help="side numbers to time (0 is always timed), or all")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--passes", type=int, default=2)
@@ -82,15 +95,17 @@ def main(argv=None) -> None:
     from jaxspec.models import int8 as I
 
     copy_rows, reduce_from = head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS
+    chosen = SIDES if args.sides == "all" else [SIDES[0]] + [SIDES[int(i)] for i in args.sides.split(",") if i != "0"]
     bandwidth = measure_read_bandwidth(BANDWIDTH_MB)
     models = args.models.split(",")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     rows_out = []
     print(f"read bandwidth {bandwidth:.1f} GB/s; step ms, median of {args.repeats} calls, median over "
           f"{args.passes} passes")
-    print(f"| model | batch | {' | '.join(f'{s} ms' for s in SIDES)} | {SIDES[1]} / {SIDES[0]} "
-          f"| {SIDES[2]} / {SIDES[0]} | {SIDES[3]} / {SIDES[0]} | roofline {SIDES[0]} | roofline {SIDES[2]} |")
-    print("|---|---:|" + "---:|" * (len(SIDES) + 5))
+    others = chosen[1:]
+    print(f"| model | batch | {' | '.join(f'{s} ms' for s in chosen)} | {' | '.join(f'{s} / {SIDES[0]}' for s in others)} "
+          f"| {' | '.join(f'roofline {s}' for s in chosen)} |")
+    print("|---|---:|" + "---:|" * (3 * len(chosen) - 1))
     for name in models:
         model = jaxspec.load(name)
         _, weight_bytes = weight_bytes_per_token(model.module)
@@ -98,9 +113,9 @@ def main(argv=None) -> None:
         texts = list(PROMPTS.values())
         for batch in batch_sizes:
             rows = [tok(texts[i % len(texts)], add_special_tokens=False)["input_ids"] for i in range(batch)]
-            times = {side: [] for side in SIDES}
+            times = {side: [] for side in chosen}
             tokens = {}
-            sides = twins(model, copy_rows)
+            sides = {side: twin for side, twin in twins(model, copy_rows).items() if side in chosen}
             for _ in range(args.passes):
                 for side, (twin, side_copy_rows, side_reduce_from) in sides.items():
                     head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS = side_copy_rows, side_reduce_from
@@ -111,20 +126,18 @@ def main(argv=None) -> None:
                     tokens.setdefault(side, sequences)
             head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS = copy_rows, reduce_from
             del sides
-            if any(tokens[side] != tokens[SIDES[0]] for side in SIDES):
+            if any(tokens[side] != tokens[SIDES[0]] for side in chosen):
                 sys.exit(f"{name} batch {batch}: the layouts decoded different tokens")
-            ms = {side: 1e3 * statistics.median(times[side]) for side in SIDES}
-            roofline = {side: weight_bytes / (ms[side] / 1e3) / 1e9 / bandwidth for side in SIDES}
-            print(f"| {name} | {batch} | {' | '.join(f'{ms[s]:.1f}' for s in SIDES)} "
-                  f"| {ms[SIDES[1]] / ms[SIDES[0]]:.2f} | {ms[SIDES[2]] / ms[SIDES[0]]:.2f} "
-                  f"| {ms[SIDES[3]] / ms[SIDES[0]]:.2f} "
-                  f"| {roofline[SIDES[0]]:.2f} | {roofline[SIDES[2]]:.2f} |",
-                  flush=True)
+            ms = {side: 1e3 * statistics.median(times[side]) for side in chosen}
+            roofline = {side: weight_bytes / (ms[side] / 1e3) / 1e9 / bandwidth for side in chosen}
+            print(f"| {name} | {batch} | {' | '.join(f'{ms[s]:.1f}' for s in chosen)} "
+                  f"| {' | '.join(f'{ms[s] / ms[SIDES[0]]:.2f}' for s in others)} "
+                  f"| {' | '.join(f'{roofline[s]:.2f}' for s in chosen)} |", flush=True)
             rows_out.append({"model": name, "batch": batch, "step_ms": ms, "per_pass_s": times,
                              "roofline": roofline})
         del model
     record.write(rows_out, models, bandwidth_gb_s=bandwidth, new_tokens=args.new_tokens, repeats=args.repeats,
-                 passes=args.passes)
+                 passes=args.passes, sides=list(chosen))
 
 
 if __name__ == "__main__":

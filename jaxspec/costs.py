@@ -335,10 +335,12 @@ def _best_milliseconds(run, cache, steps: int, runs: int) -> float:
 
 def weight_bytes(module) -> int:
     """Bytes of the params one decoding step reads (what it costs when memory-bound): all but the MTP layers, which
-    only the MTP strategy runs (a model with trained MTP layers never reads them as an assistant)."""
+    only the MTP strategy runs (a model with trained MTP layers never reads them as an assistant). Each array
+    counts once: the members of a fused group (jaxspec/layout.py) share one."""
     params = nnx.state(module, nnx.Param)
-    return sum(int(x.size) * x.dtype.itemsize for path, x in jax.tree_util.tree_leaves_with_path(params)
-               if getattr(path[0], "key", None) != "mtp_layers")
+    read = {id(x): x for path, x in jax.tree_util.tree_leaves_with_path(params)
+            if getattr(path[0], "key", None) != "mtp_layers"}
+    return sum(int(x.size) * x.dtype.itemsize for x in read.values())
 
 
 def head_share(model: Model) -> float:

@@ -629,7 +629,7 @@ def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, s
     h = L.gemma_rms_norm(x, p["attn_norm"], eps, offset)
     own_kv = ("wk", "wv") if value_proj else ("wk",)  # k_eq_v: no value projection
     names = ("wq",) + (own_kv if computes_kv else ())  # a layer sharing another's keys projects queries only
-    q, *kv = (I.project("...d,dhk->...hk", h, p[name]) for name in names)  # [B, T, H, Dh] each
+    q, *kv = I.project_group("...d,dhk->...hk", h, tuple(p[name] for name in names))  # [B, T, H, Dh] each
     if cfg.qk_norm:
         q = L.gemma_rms_norm(q, p["q_norm"], eps, offset)
     q = L.apply_rope(q, positions, inv_freq)

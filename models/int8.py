@@ -16,6 +16,7 @@ as every projection of the model families does.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import jax
@@ -48,12 +49,20 @@ class Int8Weight:
 class TransposedWeight:
     """A float weight stored as its transpose by `perm`, which puts the contracted axes last ([out, in] for a
     matrix). `project` contracts the stored array directly (no transpose is computed); `logical()` is the weight in
-    the layout the model code names (e.g. wq [D, H, Dh], stored [H, Dh, D])."""
+    the layout the model code names (e.g. wq [D, H, Dh], stored [H, Dh, D]).
 
-    values: jax.Array  # the weight transposed by `perm`
+    A member of a fused group (`fuse`: a layer's q, k and v, or its gate and up) holds the whole group's buffer in
+    `values`, its members concatenated along the first stored axis, and is slice `member` of it: every member of
+    the group holds the same array, so the group costs one weight's memory, and `project_group` multiplies it once.
+    """
+
+    values: jax.Array  # the weight transposed by `perm`; in a fused group, every member's, concatenated on axis 0
     perm: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # stored axis i is logical axis perm[i]
     # A tied LM head (`tied_head`): its few-row products take `_multiply_reduce`, measured faster for heads only
     is_head: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # A fused group's members' sizes along the first stored axis, in order (empty: not fused), and this one's place
+    group: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+    member: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     def __getitem__(self, key):
         """`param[...]`, as nnx reads a Variable's value: the weight itself (only `...` is meaningful)."""
@@ -62,21 +71,32 @@ class TransposedWeight:
         return self
 
     def __setitem__(self, key, value):
-        """`param[...] = w`, as nnx writes a Variable's value: `w` in the logical layout, stored transposed."""
+        """`param[...] = w`, as nnx writes a Variable's value: `w` in the logical layout, stored transposed. A fused
+        member leaves its group (its own array from now on; the others keep theirs in the group's buffer)."""
         if key is not Ellipsis or tuple(value.shape) != self.shape:
             raise TypeError(f"A TransposedWeight is written whole ([...] = an array of shape {self.shape}).")
         self.values = jnp.transpose(jnp.asarray(value, self.values.dtype), self.perm)
+        self.group, self.member = (), 0
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.values.shape[self.perm.index(axis)] for axis in range(len(self.perm)))
+        stored = (self.group[self.member],) + self.values.shape[1:] if self.group else self.values.shape
+        return tuple(stored[self.perm.index(axis)] for axis in range(len(self.perm)))
 
     @property
     def dtype(self):
         return self.values.dtype
 
+    @property
+    def stored(self) -> jax.Array:
+        """This weight's own stored array: `values`, or a fused member's slice of its group's buffer."""
+        if not self.group:
+            return self.values
+        start = sum(self.group[: self.member])
+        return jax.lax.slice_in_dim(self.values, start, start + self.group[self.member], axis=0)
+
     def logical(self) -> jax.Array:
-        return jnp.transpose(self.values, [self.perm.index(axis) for axis in range(len(self.perm))])
+        return jnp.transpose(self.stored, [self.perm.index(axis) for axis in range(len(self.perm))])
 
     def stored_axes(self, w_axes: str) -> str:
         """The stored array's axis letters for a spec that names the logical weight's axes `w_axes`."""
@@ -87,6 +107,22 @@ def contracted_last(w: jax.Array, contracted: tuple[int, ...]) -> TransposedWeig
     """`w` stored with its `contracted` axes last, the others first in their order ([in, out] -> [out, in])."""
     perm = tuple(a for a in range(w.ndim) if a not in contracted) + tuple(contracted)
     return TransposedWeight(jnp.transpose(w, perm), perm)
+
+
+def fuse(weights: list[TransposedWeight]) -> list[TransposedWeight]:
+    """`weights` (projections of one input, stored alike but for their first stored axis) as the members of one
+    fused group: one buffer, their stored arrays concatenated along that axis, which each member holds."""
+    buffer = jnp.concatenate([w.values for w in weights], axis=0)
+    group = tuple(int(w.values.shape[0]) for w in weights)
+    return [TransposedWeight(buffer, w.perm, w.is_head, group, i) for i, w in enumerate(weights)]
+
+
+def fusable(weights) -> bool:
+    """Whether `fuse` can join `weights`: unfused float TransposedWeights of one dtype whose stored arrays differ in
+    their first axis only."""
+    first = weights[0]
+    return all(isinstance(w, TransposedWeight) and not w.group and w.perm == first.perm and w.dtype == first.dtype
+               and w.values.shape[1:] == first.values.shape[1:] for w in weights)
 
 
 def head_weight(module):
@@ -171,6 +207,22 @@ def project(spec: str, x: jax.Array, w, preferred_element_type=None) -> jax.Arra
     return out.astype(preferred_element_type or x.dtype)
 
 
+def project_group(spec: str, x: jax.Array, weights) -> tuple[jax.Array, ...]:
+    """`tuple(project(spec, x, w) for w in weights)`, as one product where `weights` are the members of one fused
+    group in order (`fuse`: XLA:CPU spreads one product over its threads better than several small ones, 'Weights
+    on a CPU' in docs/design.md), split along the output axis of the first stored one."""
+    first = weights[0]
+    whole = (isinstance(first, TransposedWeight) and len(first.group) == len(weights)
+             and all(isinstance(w, TransposedWeight) and w.group == first.group and w.member == i
+                     for i, w in enumerate(weights)))
+    if not whole:
+        return tuple(project(spec, x, w) for w in weights)
+    out = _transposed_product(spec, x, dataclasses.replace(first, group=(), member=0), None)
+    x_axes, w_axes, out_axes = _parse(spec, x.ndim)
+    axis = out_axes.index(first.stored_axes(w_axes)[0])
+    return tuple(jnp.split(out, list(itertools.accumulate(first.group[:-1])), axis=axis))
+
+
 MULTIPLY_REDUCE_MIN_WEIGHT = 1 << 23  # elements: a tied head this large takes `_multiply_reduce` (not layer weights)
 # Rows a tied head of MULTIPLY_REDUCE_MIN_WEIGHT elements or more multiplies as an elementwise product and a sum
 # (`_multiply_reduce`): from 3 rows it beats the matrix multiply in place, up to about 48 rows.
@@ -193,9 +245,10 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
     contracted = "".join(a for a in stored if a in x_axes and a not in out_axes)
     free_x, free_w = x_axes[: len(x_axes) - len(contracted)], stored[: len(stored) - len(contracted)]
     if not (x_axes.endswith(contracted) and stored.endswith(contracted)) or sorted(out_axes) != sorted(free_x + free_w):
-        return jnp.einsum(f"{x_axes},{stored}->{out_axes}", x, w.values, preferred_element_type=preferred_element_type)
+        return jnp.einsum(f"{x_axes},{stored}->{out_axes}", x, w.stored, preferred_element_type=preferred_element_type)
     rows, inner = math.prod(x.shape[: len(free_x)]), math.prod(x.shape[len(free_x):])
-    w2 = w.values.reshape(-1, inner)  # [O, C]
+    values = w.stored
+    w2 = values.reshape(-1, inner)  # [O, C]
     x2 = x.reshape(rows, inner)  # [N, C]
     if rows == 1:
         out = jnp.matmul(w2, x2[0], preferred_element_type=preferred_element_type)[None]  # [1, O]
@@ -204,7 +257,7 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
         out = _multiply_reduce(x2, w2, preferred_element_type)
     else:
         out = jnp.matmul(x2, w2.T, preferred_element_type=preferred_element_type)  # [N, O]
-    out = out.reshape(x.shape[: len(free_x)] + w.values.shape[: len(free_w)])
+    out = out.reshape(x.shape[: len(free_x)] + values.shape[: len(free_w)])
     return jnp.transpose(out, [(free_x + free_w).index(a) for a in out_axes])
 
 

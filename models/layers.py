@@ -195,7 +195,7 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
 
 def _gated_mlp(x: jax.Array, w_gate, w_up, w_down, activation) -> jax.Array:
     """down(activation(x @ gate) * (x @ up)). x: [..., D] -> [..., D]."""
-    gate, up = I.project("...d,df->...f", x, w_gate), I.project("...d,df->...f", x, w_up)
+    gate, up = I.project_group("...d,df->...f", x, (w_gate, w_up))
     return I.project("...f,fd->...d", activation(gate) * up, w_down)
 
 

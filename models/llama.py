@@ -384,7 +384,7 @@ def _decoder_layer(cfg: LlamaConfig, p, x, positions, cache: KVCache, index, inv
     positions when the layer slides (Qwen2/Qwen3's use_sliding_window). A tree-shaped block (`tree`) is written at
     its slots and attends as jaxspec/tree.py lays it out."""
     h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = (I.project("...d,dhk->...hk", h, p[name]) for name in ("wq", "wk", "wv"))  # [B, T, H | K | K, Dh]
+    q, k, v = I.project_group("...d,dhk->...hk", h, (p["wq"], p["wk"], p["wv"]))  # [B, T, H | K | K, Dh]
     if cfg.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if cfg.qk_norm:  # Qwen3: over each head's Dh features, after the bias and before RoPE (HF Qwen3Attention)

@@ -15,9 +15,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import jaxspec
-from jaxspec import checkpoint
+from jaxspec import checkpoint, costs
 from jaxspec.head import COPY_MAX_ROWS, for_rows
-from jaxspec.layout import LAYER_PROJECTIONS, standard_layout
+from jaxspec.layout import FUSED_GROUPS, LAYER_PROJECTIONS, standard_layout
 from jaxspec.models import int8 as I
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the layout is XLA:CPU's alone")
@@ -116,6 +116,56 @@ def test_load_stores_every_layer_projection_transposed_with_the_same_logits_and_
         np.testing.assert_array_equal(out.sequences, plain.sequences)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_a_fused_group_is_one_product_equal_to_its_members_products(rows):
+    """q, k and v fused (`I.fuse`): one buffer that every member holds, one dot in the traced product, and the
+    members' products; a member written alone leaves the group, and the products stay equal, one dot each."""
+    keys = jax.random.split(jax.random.PRNGKey(rows), 4)
+    weights = [jax.random.normal(key, (16, heads, 4)) for key, heads in zip(keys, (4, 2, 2))]  # wq, wk, wv [D, H, Dh]
+    members = I.fuse([I.contracted_last(w, (0,)) for w in weights])
+    assert all(m.values is members[0].values for m in members) and members[0].values.shape == (8, 4, 16)
+    assert [m.shape for m in members] == [w.shape for w in weights]
+    x = jax.random.normal(keys[3], (1, rows, 16))
+    spec = "...d,dhk->...hk"
+    expected = [jnp.einsum(spec, x, w) for w in weights]
+
+    def dots(group):
+        return str(jax.make_jaxpr(lambda x, g: I.project_group(spec, x, g))(x, group)).count("dot_general")
+
+    for got, want, member, w in zip(I.project_group(spec, x, members), expected, members, weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(I.project(spec, x, member), want, rtol=1e-5, atol=1e-5)  # a member alone
+        np.testing.assert_array_equal(member.logical(), w)
+    assert dots(members) == 1
+    members[1][...] = weights[1] * 2.0  # wk written: its own array now
+    assert not members[1].group and members[1].values is not members[0].values
+    got = I.project_group(spec, x, members)
+    np.testing.assert_allclose(got[1], 2.0 * expected[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[2], expected[2], rtol=1e-5, atol=1e-5)
+    assert dots(members) == 3
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_load_fuses_each_layers_q_k_v_and_gate_up_into_one_buffer(family, tiny_llama_dir, tiny_gemma3_dir):
+    """Every layer's groups share one buffer (Gemma's layers that share another's keys project q alone); saved and
+    counted, the model is the one the model code names: bytes count each buffer once."""
+    model = jaxspec.load(tiny_llama_dir if family == "llama" else tiny_gemma3_dir)
+    standard = _standard(model)
+    fused = 0
+    for layer, plain in zip(model.module.layers, standard.module.layers):
+        for names in FUSED_GROUPS:
+            present = [name for name in names if getattr(layer, name, None) is not None]
+            members = [getattr(layer, name)[...] for name in present]
+            if len(members) < 2:
+                continue
+            fused += 1
+            assert all(m.values is members[0].values and m.member == i for i, m in enumerate(members))
+            for name, member in zip(present, members):
+                np.testing.assert_array_equal(member.logical(), getattr(plain, name)[...])
+    assert fused >= 2 * len(model.module.layers) - 1
+    assert costs.weight_bytes(model.module) == costs.weight_bytes(standard.module)
+
+
 def test_a_saved_model_holds_the_model_codes_layout_and_restores_transposed(target, tmp_path):
     folder = checkpoint.save(target, str(tmp_path / "saved"))
     restored = jaxspec.load(folder)
@@ -132,14 +182,21 @@ def test_a_saved_model_holds_the_model_codes_layout_and_restores_transposed(targ
 
 
 def test_writing_a_param_takes_the_model_codes_layout(tiny_llama_dir):
+    """w_gate, a member of its layer's fused group, written: it leaves the group, and the logits are those of the
+    model code's layout with the same write."""
     model = jaxspec.load(tiny_llama_dir)
     param = model.module.layers[0].w_gate
     doubled = jaxspec.layout.logical(param[...]) * 2.0
     param[...] = doubled
-    assert isinstance(param[...], I.TransposedWeight)
+    assert isinstance(param[...], I.TransposedWeight) and not param[...].group
     np.testing.assert_array_equal(jaxspec.layout.logical(param[...]), doubled)
     with pytest.raises(TypeError, match="written whole"):
         param[...] = doubled.T
+    standard = _standard(model)
+    tokens, positions = jnp.asarray([[3, 7, 11, 2]]), jnp.arange(4)[None]
+    ours, _, _ = model.module(tokens, positions, model.module.init_cache(1, 8))
+    theirs, _, _ = standard.module(tokens, positions, standard.module.init_cache(1, 8))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
 def test_quantizing_and_sharding_read_the_model_codes_layout(target):

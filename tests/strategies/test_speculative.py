@@ -126,6 +126,8 @@ def test_catch_up_reads_a_gap_in_the_narrowest_block_that_covers_it(target, behi
     import jax
     import jax.numpy as jnp
 
+    from flax import nnx
+
     from jaxspec.strategies.draft_model import catch_up, catch_up_widths
 
     model, size, synced = target.module, 96, np.array([5, 20], np.int32)
@@ -151,8 +153,12 @@ def test_catch_up_reads_a_gap_in_the_narrowest_block_that_covers_it(target, behi
                                     catch_up_widths(64))
     jax.effects_barrier()
     assert widths_run == blocks and int(count) == len(blocks)
-    # The LM head runs on each row's last hidden state only: no block computes logits for all its positions.
-    compiled = jax.jit(lambda *a: catch_up(model, *a, catch_up_widths(64))).lower(
+    # The LM head runs on each row's last hidden state only: no block computes logits for all its positions. Checked
+    # on the model code's layout: there no other product's output has the vocabulary's size (the tiny model's fused
+    # gate and up, 2 x 64, have it).
+    graphdef, state = nnx.split(model)
+    standard = nnx.merge(graphdef, jaxspec.layout.standard_layout(state))
+    compiled = jax.jit(lambda *a: catch_up(standard, *a, catch_up_widths(64))).lower(
         tokens, jnp.asarray(synced), jnp.asarray(lengths), stale).compile().as_text()
     vocab = target.config.vocab_size
     assert f"f32[2,{vocab}]" in compiled and not re.search(rf"f32\[2,\d+,{vocab}\]", compiled)
