@@ -47,12 +47,15 @@ def enable_compilation_cache(folder: str | None = None) -> str | None:
     """Keep compiled loops on disk (JAX's persistent compilation cache), so a new process with the same model,
     strategy and shapes loads them instead of compiling. Call it before the first `generate`.
 
-    `folder`: default `$JAXSPEC_COMPILATION_CACHE`, else `~/.cache/jaxspec/xla`; "off" leaves the cache off.
+    `folder`: default `$JAXSPEC_COMPILATION_CACHE`, else `xla` in the jaxspec cache folder (`$JAXSPEC_CACHE`, else
+    `~/.cache/jaxspec`, as for converted checkpoints and step costs); "off" leaves the cache off.
     Returns the folder in use, or None.
     """
     import jax
 
-    folder = folder or os.environ.get("JAXSPEC_COMPILATION_CACHE") or os.path.expanduser("~/.cache/jaxspec/xla")
+    from .catalog import cache_root
+
+    folder = folder or os.environ.get("JAXSPEC_COMPILATION_CACHE") or os.path.join(cache_root(), "xla")
     if folder == "off":
         return None
     jax.config.update("jax_compilation_cache_dir", folder)

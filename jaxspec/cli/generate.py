@@ -20,10 +20,11 @@ With --distributed (on every host of a TPU slice: the coordinator, process count
 process runs the same command, loads its own slices of the checkpoint and gets the same output; process 0 prints.
 
 --model takes an HF checkpoint folder, a .gguf file, or a catalogue name (offline default: smollm2-135m).
-Compiled loops are kept in JAX's persistent compilation cache ($JAXSPEC_COMPILATION_CACHE, default
-~/.cache/jaxspec/xla; "off" disables it), so a second run does not pay compile time again. The first assisted run
-of a model and strategy on a machine also times a few of its rounds for the adaptive schedule's prices
-(jaxspec/costs.py; counted in the compile time it prints, and stored in ~/.cache/jaxspec/step_costs.json).
+Compiled loops are kept in JAX's persistent compilation cache ($JAXSPEC_COMPILATION_CACHE, default xla in the
+jaxspec cache folder, $JAXSPEC_CACHE or ~/.cache/jaxspec; "off" disables it), so a second run does not pay compile
+time again. The first assisted run of a model and strategy on a machine also times a few of its rounds for the
+adaptive schedule's prices (jaxspec/costs.py; counted in the compile time it prints, and stored in step_costs.json
+in the jaxspec cache folder).
 
 Mistakes (a missing file, a damaged checkpoint, an option the strategy does not use) print one line and exit 2;
 with --compare-plain, greedy output that differs from plain greedy decoding exits 1.

@@ -132,6 +132,23 @@ def test_cache_root_follows_environment(monkeypatch, tmp_path, site):
     assert catalog.cache_root() == os.path.join(os.path.expanduser("~"), ".cache", "jaxspec")
 
 
+def test_the_compilation_cache_lives_in_the_jaxspec_cache_folder(monkeypatch, tmp_path):
+    """Beside converted checkpoints and step costs: `$JAXSPEC_CACHE/xla`, unless `$JAXSPEC_COMPILATION_CACHE` names
+    another folder or `off`."""
+    import jax
+
+    import jaxspec
+
+    monkeypatch.setattr(jax.config, "update", lambda name, value: None)  # the test session keeps its own cache
+    monkeypatch.delenv("JAXSPEC_COMPILATION_CACHE", raising=False)
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path / "env-cache"))
+    assert jaxspec.enable_compilation_cache() == str(tmp_path / "env-cache" / "xla")
+    monkeypatch.setenv("JAXSPEC_COMPILATION_CACHE", str(tmp_path / "elsewhere"))
+    assert jaxspec.enable_compilation_cache() == str(tmp_path / "elsewhere")
+    monkeypatch.setenv("JAXSPEC_COMPILATION_CACHE", "off")
+    assert jaxspec.enable_compilation_cache() is None
+
+
 def test_unknown_name_lists_known_ones():
     with pytest.raises(ValueError, match="smollm2-135m") as info:
         catalog.resolve("no-such-model")
