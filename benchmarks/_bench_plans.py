@@ -119,11 +119,11 @@ def weight_bytes_per_token(module) -> tuple[int, int]:
     A tied embedding is read once per token, as the LM head; an untied input embedding contributes one row, which
     is left out. KV-cache reads are left out too: at these context lengths they are small next to the weights.
     """
+    import jax
     from flax import nnx
 
-    from jaxspec.layout import distinct_arrays
-
-    leaves = distinct_arrays(nnx.state(module, nnx.Param))  # a fused group's members share one array
+    # Each array once: the members of a fused group (jaxspec/layout.py) hold one buffer.
+    leaves = list({id(x): x for x in jax.tree.leaves(nnx.state(module, nnx.Param))}.values())
     parameters = sum(int(x.size) for x in leaves)
     nbytes = sum(int(x.size) * x.dtype.itemsize for x in leaves)
     if not module.cfg.tie_word_embeddings:

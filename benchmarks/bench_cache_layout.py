@@ -22,8 +22,9 @@ stacked cache: transposed (attention that reads the cache in another layout than
 layer and step), or sliced as they lie (XLA:CPU copies a slice of a stacked array before a matrix product reads it,
 as it does for stacked weights; see docs/design.md).
 
-`--baseline REF` measures the cache layout of commit REF too: this checkout's code with REF's models/ and
-jaxspec/cache.py (`LAYOUT_FILES`, from `git archive`) in their place, so that nothing but the layout differs. Each
+`--baseline REF` measures the cache layout of commit REF too: this checkout's code with REF's models/,
+jaxspec/cache.py and jaxspec/layout.py (`LAYOUT_FILES`, from `git archive`) in their place, so that nothing but the
+layout differs. Each
 side is a copy of the code taken at the start (`snapshot`), imported from PYTHONPATH ahead of the installed
 package. The sides run in `--passes` alternating passes, a subprocess each, so both see the
 same machine load, and must write the same tokens; the ratio is the median over passes of the step time of REF's
@@ -46,7 +47,8 @@ import tempfile
 from _record import REPO, Record, add_results_argument
 
 MODELS = "smollm2-135m,qwen2.5-coder-0.5b,gemma3-270m"
-LAYOUT_FILES = ("models", "jaxspec/cache.py")  # what defines the cache layout and the attention that reads it
+# What defines the cache layout and the attention that reads it, and the weights' CPU layout that models/ reads
+LAYOUT_FILES = ("models", "jaxspec/cache.py", "jaxspec/layout.py")
 BANDWIDTH_MB = 512  # the matrix the read bandwidth is timed on: far larger than any CPU cache
 HERE = "this checkout"
 

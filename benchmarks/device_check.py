@@ -436,14 +436,13 @@ class StepBytes:
         import jax
         from flax import nnx
 
-        from jaxspec.layout import distinct_arrays
-
         params = nnx.to_pure_dict(nnx.state(model.module, nnx.Param))
         unread = {key for key in params if key.startswith("mtp")}
         if not getattr(model.config, "tie_word_embeddings", True):
             unread.add("embed")
-        weights = sum(nbytes(x) for key, value in params.items() if key not in unread
-                      for x in distinct_arrays(value))  # a fused group's members (jaxspec/layout.py) share one array
+        # Each array once: the members of a fused group (jaxspec/layout.py) hold one buffer.
+        read = {id(x): x for key, value in params.items() if key not in unread for x in jax.tree.leaves(value)}
+        weights = sum(nbytes(x) for x in read.values())
         cache = jax.eval_shape(lambda: model.module.init_cache(1, 1))
         return cls(weights, sum(nbytes(x) for x in jax.tree.leaves(cache)))
 

@@ -8,7 +8,9 @@ converters and the checkpoints keep one layout, and only what reads params as ar
 exporting, quantizing and sharding go through `logical` / `standard_layout` (figures: docs/design.md, 'Weights on a
 CPU'). A layer's q, k and v projections, and its gate and up, are also stored as one buffer each (`FUSED_GROUPS`),
 which each of them holds and reads its own slice of: the forward multiplies a group once (`project_group`). Count
-bytes over distinct arrays (`distinct_arrays`), since the members of a group share one.
+bytes once per array (by identity), since the members of a group share one, and train decoder layers
+from `standard_layout` (jaxspec's trainers keep the target frozen): a gradient reaches a group through its first
+member only.
 
 Left as they are: embeddings and heads (a tied head is read [V, D] already, and jaxspec/head.py decides its verify
 copy), MTP layers (trained in place), drafter modules, int8 weights, models created sharded on a mesh (their rules
@@ -67,14 +69,6 @@ def use_cpu_layout(model: Model) -> Model:
 def standard_layout(state: Any) -> Any:
     """A module state (or any pytree of params) with every `TransposedWeight` back in the model code's layout."""
     return jax.tree.map(I.logical, state, is_leaf=lambda leaf: isinstance(leaf, I.TransposedWeight))
-
-
-def distinct_arrays(tree: Any) -> list[jax.Array]:
-    """The arrays of a pytree of params, each once: the members of a fused group hold one buffer."""
-    seen: dict[int, jax.Array] = {}
-    for leaf in jax.tree.leaves(tree):
-        seen.setdefault(id(leaf), leaf)
-    return list(seen.values())
 
 
 logical = I.logical  # one param as the model code names its layout: `TransposedWeight.logical()`, else as is
