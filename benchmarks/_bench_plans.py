@@ -113,6 +113,23 @@ class Plan:
     hf_draft_config: dict[str, Any] = dataclasses.field(default_factory=dict)  # set on HF's drafting model
 
 
+def unfused(model):
+    """`model` with each member of a fused projection group (`jaxspec.layout.FUSED_GROUPS`) in its own array and
+    product, as before the groups were fused: the other side of that change's A/B (bench_weight_layout.py,
+    bench_verify_width.py)."""
+    import jax
+    from flax import nnx
+
+    from jaxspec.models import int8 as I
+
+    def alone(w):
+        return I.TransposedWeight(w.stored, w.perm, w.is_head) if isinstance(w, I.TransposedWeight) else w
+
+    graphdef, state = nnx.split(model.module)
+    state = jax.tree.map(alone, state, is_leaf=lambda leaf: isinstance(leaf, I.TransposedWeight))
+    return dataclasses.replace(model, module=nnx.merge(graphdef, state))
+
+
 def weight_bytes_per_token(module) -> tuple[int, int]:
     """(parameters, bytes read per decoded token) of a jaxspec module.
 

@@ -3,7 +3,7 @@ figures behind the adaptive schedule's verify costs (`jaxspec.strategies.base.de
 `generate` measures for itself: jaxspec/costs.py, whose timing loop this script runs).
 
     python benchmarks/bench_verify_width.py [--model smollm2-135m] [--widths 1,2,3,4,8] [--steps 20]
-        [--quantization int8] [--scan-layers] [--results benchmarks/results]
+        [--quantization int8] [--scan-layers] [--unfused] [--results benchmarks/results]
 
 Per width, one jitted loop of `--steps` target forwards at batch 1 that writes a 512-position cache in place (as
 the decode loop does; the cache is donated), from position 200; best of 4 runs, printed as milliseconds per forward
@@ -16,6 +16,9 @@ what leaving the memory-bound matrix-vector path costs; on an accelerator it sta
 same forward with its decoder layers run by a `lax.scan` over stacked copies of their weights, with each one's
 compile seconds: what MaxText's `scan_layers` would cost a step and save a compile here (docs/design.md, 'The model
 contract').
+`--unfused` adds a column: the model as loaded but each of a layer's fused projections (q, k and v; gate and up:
+`jaxspec.layout.FUSED_GROUPS`) in its own array and product, as before they were fused, timed in two runs
+alternating with the head column generate uses, the best of each kept.
 `--quantization int8` adds a column for the same model through `jaxspec.quantize` (int8 weights and activations:
 what an int8 assistant's forward costs, with the model's own head, as an assistant drafts), and its one-token forward
 over the float model's. The table also goes to a JSON record in `--results` (benchmarks/_record.py, a sibling
@@ -37,6 +40,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--quantization", default=None, choices=("int8",))
     p.add_argument("--scan-layers", action="store_true", help="add columns: decoder layers under lax.scan")
+    p.add_argument("--unfused", action="store_true", help="add a column: each projection its own product")
     add_results_argument(p)
     args = p.parse_args(argv)
     record = Record("bench_verify_width", __file__, argv, args.results)
@@ -45,6 +49,7 @@ def main(argv=None) -> None:
     from flax import nnx
 
     import jaxspec
+    from _bench_plans import unfused
     from jaxspec.costs import time_forwards
     from jaxspec.head import verify_head
 
@@ -57,6 +62,15 @@ def main(argv=None) -> None:
     widths = tuple(sorted({1} | {int(w) for w in args.widths.split(",")}))
     milliseconds = {name: time_forwards(timed, widths, head, steps=args.steps, runs=4)
                     for name, (timed, head) in heads.items()}
+    if args.unfused:
+        generating = list(heads)[-1] if args.quantization is None else list(heads)[-2]  # the head generate uses
+        heads["unfused"] = (unfused(model), heads[generating][1])
+        milliseconds["unfused"] = {w: float("inf") for w in widths}
+        for _ in range(2):
+            for name in (generating, "unfused"):
+                timed, head = heads[name]
+                again = time_forwards(timed, widths, head, steps=args.steps, runs=4)
+                milliseconds[name] = {w: min(milliseconds[name][w], again[w]) for w in widths}
     compiles = {}
     if args.scan_layers:
         timed = _layer_loops_ms(model, widths, copy, args.steps)  # with the head generate verifies with

@@ -42,23 +42,16 @@ def twins(model, copy_rows: int) -> dict:
     `copy_rows`: the package's own `COPY_MAX_ROWS`."""
     from flax import nnx
 
-    import jax
-
+    from _bench_plans import unfused
     from jaxspec.layout import standard_layout
     from jaxspec.models import int8 as I
 
     graphdef, state = nnx.split(model.module)
     standard = dataclasses.replace(model, module=nnx.merge(graphdef, standard_layout(state)))
-
-    def alone(w):  # a fused group's member as its own array
-        return I.TransposedWeight(w.stored, w.perm, w.is_head) if isinstance(w, I.TransposedWeight) else w
-
-    unfused_state = jax.tree.map(alone, state, is_leaf=lambda leaf: isinstance(leaf, I.TransposedWeight))
-    unfused = dataclasses.replace(model, module=nnx.merge(graphdef, unfused_state))
     reduce_from = I.MULTIPLY_REDUCE_MIN_ROWS
     return {SIDES[0]: (model, copy_rows, reduce_from), SIDES[1]: (standard, copy_rows, reduce_from),
             SIDES[2]: (standard, 1 << 30, 1 << 30), SIDES[3]: (model, 4, 1 << 30),
-            SIDES[4]: (unfused, copy_rows, reduce_from)}
+            SIDES[4]: (unfused(model), copy_rows, reduce_from)}
 
 
 def step_seconds(model, rows, new_tokens: int, repeats: int) -> tuple[float, list]:
