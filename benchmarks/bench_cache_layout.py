@@ -24,10 +24,9 @@ as it does for stacked weights; see docs/design.md).
 
 `--baseline REF` measures the cache layout of commit REF too: this checkout's code with REF's models/,
 jaxspec/cache.py and jaxspec/layout.py (`LAYOUT_FILES`, from `git archive`) in their place, so that nothing but the
-layout differs. Each
-side is a copy of the code taken at the start (`snapshot`), imported from PYTHONPATH ahead of the installed
-package. The sides run in `--passes` alternating passes, a subprocess each, so both see the
-same machine load, and must write the same tokens; the ratio is the median over passes of the step time of REF's
+layout differs. Each side is a copy of the code taken at the start (`snapshot`), imported from PYTHONPATH ahead of
+the installed package. The sides run in `--passes` alternating passes, a subprocess each, so both see the same
+machine load, and must write the same tokens; the ratio is the median over passes of the step time of REF's
 layout over this checkout's. Without it, only this checkout is measured. The figures also go to a JSON record in
 `--results` (benchmarks/_record.py; run this file as a script so its sibling modules import).
 """

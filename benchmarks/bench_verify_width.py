@@ -55,15 +55,14 @@ def main(argv=None) -> None:
 
     model = jaxspec.load(args.model)
     copy = verify_head(model, nnx.split(model.module)[1], None)  # None where generate verifies with the model's head
-    heads = {"model's head": (model, None)} if copy is None else {"tied view": (model, None),
-                                                                   "contiguous copy (generate)": (model, copy)}
+    generating = "model's head" if copy is None else "contiguous copy (generate)"  # the head generate verifies with
+    heads = {generating: (model, None)} if copy is None else {"tied view": (model, None), generating: (model, copy)}
     if args.quantization:
         heads[args.quantization] = (jaxspec.quantize(model, args.quantization), None)
     widths = tuple(sorted({1} | {int(w) for w in args.widths.split(",")}))
     milliseconds = {name: time_forwards(timed, widths, head, steps=args.steps, runs=4)
                     for name, (timed, head) in heads.items()}
     if args.unfused:
-        generating = list(heads)[-1] if args.quantization is None else list(heads)[-2]  # the head generate uses
         heads["unfused"] = (unfused(model), heads[generating][1])
         milliseconds["unfused"] = {w: float("inf") for w in widths}
         for _ in range(2):
