@@ -59,6 +59,8 @@ HERE = "this checkout"
 def measure_side(models: list[str], new_tokens: int, repeats: int) -> dict:
     """{"bandwidth_gb_s": read bandwidth, "models": {model: figures}} of plain greedy with the jaxspec this process
     imports."""
+    import functools
+
     import jax
 
     import jaxspec
@@ -87,7 +89,7 @@ def measure_side(models: list[str], new_tokens: int, repeats: int) -> dict:
             steps.append((o.decode_seconds - o.prefill_seconds) / (int(o.num_new_tokens[0]) - 1))
         (hlo,) = [c.as_text() for c in loop.compiled("rounds")]
         size = buffer_size(len(ids[0]) + new_tokens + 1, default_prefill_chunk())  # as generate() sizes it
-        cache = jax.eval_shape(lambda: model.module.init_cache(1, size))
+        cache = jax.eval_shape(functools.partial(model.module.init_cache, 1, size))
         _, weights = weight_bytes_per_token(model.module)
         out[name] = {
             "step_seconds": steps, "weight_bytes": weights, "cache_entries": size, "prompt_tokens": len(ids[0]),
