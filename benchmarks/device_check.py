@@ -434,15 +434,12 @@ class StepBytes:
         """Weights: the target's params, less the MTP layers (they only draft) and an untied input embedding, of
         which a step reads one row per token. KV: the model's own cache, shaped without allocating it."""
         import jax
-        from flax import nnx
 
-        params = nnx.to_pure_dict(nnx.state(model.module, nnx.Param))
-        unread = {key for key in params if key.startswith("mtp")}
+        from jaxspec.costs import weight_bytes
+
+        weights = weight_bytes(model.module)  # each array once, less the MTP layers
         if not getattr(model.config, "tie_word_embeddings", True):
-            unread.add("embed")
-        # Each array once: the members of a fused group (jaxspec/layout.py) hold one buffer.
-        read = {id(x): x for key, value in params.items() if key not in unread for x in jax.tree.leaves(value)}
-        weights = sum(nbytes(x) for x in read.values())
+            weights -= nbytes(model.module.embed[...])
         cache = jax.eval_shape(lambda: model.module.init_cache(1, 1))
         return cls(weights, sum(nbytes(x) for x in jax.tree.leaves(cache)))
 
