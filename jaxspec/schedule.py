@@ -117,10 +117,11 @@ class Schedule:
       of its width (measured at the batch it runs: a [8, 4] block does not cost what a [1, 4] block costs) plus
       `draft_cost` per draft (drafting-model steps, in target steps). Every row then drafts that length (a width already
       paid verifies a row's extra drafts for nothing). When no length beats a plain step, the batch does not draft,
-      except for a one-draft probe whenever a row's cooldown is over (where some length could pay at all:
-      `drafting_can_pay`); the cooldown follows 1, 2, 4, ... up to MAX_COOLDOWN rounds (doubling while probes miss; a
-      row's hit counts only where the probe's tokens paid for the batch's round; `probe_spacing` times longer for
-      drafters whose probe costs more), so that text which starts to repeat is noticed. Rows probe together, so their
+      except for a probe whenever a row's cooldown is over (`probe_length`: one draft where a block of 2 pays well;
+      only where some length could pay at all: `drafting_can_pay`); the cooldown follows 1, 2, 4, ... up to
+      MAX_COOLDOWN rounds (doubling while probes miss; a row's hit counts only where the probe's tokens paid for the
+      batch's round; `probe_spacing` times longer for drafters whose probe costs more), so that text which starts to
+      repeat is noticed. Rows probe together, so their
       cooldowns stay in step and a batch probes no more often than one row would. On text the drafter cannot predict,
       drafting therefore costs one cheap probe every ~33 rounds; on text it predicts, the batch drafts the length that
       pays best.
@@ -156,6 +157,7 @@ class Schedule:
     PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
     DECAY = 0.8  # evidence from each earlier drafting round counts this much less
     PROBE_UNIT = 0.1  # probes that cost up to this (in plain steps) back off 1, 2, 4, ... MAX_COOLDOWN rounds
+    PROBE_MIN_GAIN = 1.1  # a probe drafts enough that a perfect hit gains this much over plain steps, where it can
 
     def init(self, batch: int, initial: jax.Array) -> DraftLength:
         zeros = jnp.zeros((batch,), jnp.int32)
@@ -204,13 +206,30 @@ class Schedule:
     @property
     def probe_spacing(self) -> jax.Array:
         """[] int32: how many times longer than 1, 2, 4, ... rounds a row waits between probes: a probe that costs
-        more than PROBE_UNIT of a plain step (a draft plus a two-token verify block) comes that many times less
-        often, so that idle probing stays within a few percent for any drafter."""
-        if 2 not in self.widths:
+        more than PROBE_UNIT of a plain step (its verify block and drafts, less the plain step it replaces) comes that
+        many times less often, so that idle probing stays within a few percent for any drafter."""
+        if not self.priced:
             return jnp.ones((), jnp.int32)
-        probe_cost = (jnp.asarray(self._chain_costs, jnp.float32)[self.widths.index(2)] - 1 + self.draft_cost
-                      + self.round_cost)
+        probe_cost = self.round_price(self.probe_length()) - 1
         return jnp.maximum(1, jnp.ceil(probe_cost / self.PROBE_UNIT - 1e-6)).astype(jnp.int32)
+
+    def probe_length(self) -> jax.Array:
+        """[] int32: how many drafts a probe proposes: the fewest whose round would gain at least PROBE_MIN_GAIN on
+        text the drafter predicts perfectly (d drafts committing d + 1 tokens for `round_price(d)`), else the fewest
+        whose round would pay at all, else 1 (`drafting_can_pay` then keeps the batch from probing at all).
+
+        One draft wherever a block of 2 pays well, as on small models. Where it cannot pay (a 1.5B target on a CPU: a
+        block of 2 at 2.39 plain steps plus a 0.5B draft at 0.32, while a block of 4 cost 2.30), a one-draft probe
+        could never pay for its round, so every probe would count as a miss and the schedule would never learn an
+        acceptance that pays at a longer length (docs/design.md, 'Probes'). Two drafts in that block of 4 would only
+        just pay (3 tokens for 2.94 steps): a probe whose hit gains that little pays little and teaches little, and
+        in a simulation of the pair it did worse than three (0.974x against 1.012x at acceptance 0.89; `python
+        benchmarks/simulate_schedule.py --only 1.5B`)."""
+        drafts = jnp.arange(1, self.widths[-1], dtype=jnp.int32)  # [K] every length the widths hold
+        gain = (drafts + 1) / self.round_price(drafts)  # [K] on text predicted perfectly
+        clear, pays = gain >= self.PROBE_MIN_GAIN, gain > 1
+        return jnp.where(jnp.any(clear), drafts[jnp.argmax(clear)],
+                         jnp.where(jnp.any(pays), drafts[jnp.argmax(pays)], 1)).astype(jnp.int32)
 
     @property
     def entry_widths(self) -> tuple[int, ...]:
@@ -250,8 +269,8 @@ class Schedule:
             return state.num_tokens
         active = _all_rows(state) if active is None else active
         best = self.paying_length(state, active)
-        # Nothing pays: a one-draft probe for the whole batch when some row that can draft is out of its cooldown.
-        probe = jnp.any(self._due(state, active)).astype(jnp.int32)
+        # Nothing pays: a probe for the whole batch when some row that can draft is out of its cooldown.
+        probe = jnp.where(jnp.any(self._due(state, active)), self.probe_length(), 0)
         chosen = jnp.where(self.forced, self.forced_drafts, jnp.where(best > 0, best, probe))
         return jnp.broadcast_to(chosen, state.num_tokens.shape).astype(jnp.int32)
 
@@ -355,7 +374,7 @@ class Schedule:
         # costs less than two plain steps, so a lone row that hits probes again at once.
         probe_round = jnp.any(tried) & (depth == 0)
         probe_tokens = jnp.sum(jnp.where(deciding, jnp.where(tried, result.accepted, 0) + 1, 0))
-        probe_paid = (probe_tokens >= self.round_price(jnp.ones((), jnp.int32)) * jnp.sum(deciding)
+        probe_paid = (probe_tokens >= self.round_price(self.probe_length()) * jnp.sum(deciding)
                       if self.priced else True)
         hit = tried & (result.accepted > 0)
         missed = active & probe_round & ~(hit & probe_paid)
