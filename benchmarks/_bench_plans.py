@@ -123,7 +123,7 @@ def unfused(model):
     from jaxspec.models import int8 as I
 
     def alone(w):
-        return I.TransposedWeight(w.stored, w.perm, w.is_head) if isinstance(w, I.TransposedWeight) else w
+        return I.TransposedWeight(w.stored, w.perm) if isinstance(w, I.TransposedWeight) else w
 
     graphdef, state = nnx.split(model.module)
     state = jax.tree.map(alone, state, is_leaf=lambda leaf: isinstance(leaf, I.TransposedWeight))

@@ -58,8 +58,6 @@ class TransposedWeight:
 
     values: jax.Array  # the weight transposed by `perm`; in a fused group, every member's, concatenated on axis 0
     perm: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # stored axis i is logical axis perm[i]
-    # A tied LM head (`tied_head`): its few-row products take `_multiply_reduce`, measured faster for heads only
-    is_head: bool = dataclasses.field(default=False, metadata=dict(static=True))
     # A fused group's members' sizes along the first stored axis, in order (empty: not fused), and this one's place
     group: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
     member: int = dataclasses.field(default=0, metadata=dict(static=True))
@@ -114,7 +112,7 @@ def fuse(weights: list[TransposedWeight]) -> list[TransposedWeight]:
     fused group: one buffer, their stored arrays concatenated along that axis, which each member holds."""
     buffer = jnp.concatenate([w.values for w in weights], axis=0)
     group = tuple(int(w.values.shape[0]) for w in weights)
-    return [TransposedWeight(buffer, w.perm, w.is_head, group, i) for i, w in enumerate(weights)]
+    return [TransposedWeight(buffer, w.perm, group, i) for i, w in enumerate(weights)]
 
 
 def fusable(weights) -> bool:
@@ -136,7 +134,7 @@ def tied_head(embed):
     matrix-vector product embed @ h, the embedding read in place), elsewhere the transposed view XLA folds in."""
     if isinstance(embed, Int8Weight) or jax.default_backend() != "cpu":
         return embed.T
-    return TransposedWeight(embed, (1, 0), is_head=True)
+    return TransposedWeight(embed, (1, 0))
 
 
 def logical(w):
@@ -223,10 +221,11 @@ def project_group(spec: str, x: jax.Array, weights) -> tuple[jax.Array, ...]:
     return tuple(jnp.split(out, list(itertools.accumulate(first.group[:-1])), axis=axis))
 
 
-MULTIPLY_REDUCE_MIN_WEIGHT = 1 << 23  # elements: a tied head this large takes `_multiply_reduce` (not layer weights)
-# Rows a tied head of MULTIPLY_REDUCE_MIN_WEIGHT elements or more multiplies as an elementwise product and a sum
-# (`_multiply_reduce`): from 3 rows it beats the matrix multiply in place, up to about 48 rows.
-# A layer's [O, C] weight of that size (a 1.5B model's MLP) is multiplied faster by its matrix products.
+# A weight of MULTIPLY_REDUCE_MIN_WEIGHT elements or more (a tied head read in place; a large model's MLP) is
+# multiplied by 3 to 32 rows as an elementwise product and a sum (`_multiply_reduce`): there it beats XLA:CPU's
+# matrix multiply, which streams a weight that no cache holds 2-4x more slowly than one row's product does
+# (docs/design.md, 'A head by 3-32 rows'). Smaller layer weights keep their matrix products.
+MULTIPLY_REDUCE_MIN_WEIGHT = 1 << 23
 MULTIPLY_REDUCE_MIN_ROWS, MULTIPLY_REDUCE_MAX_ROWS = 3, 32
 
 
@@ -236,10 +235,10 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
     The weight is flattened to [O, C] and x to [N, C]. One row is the matrix-vector product w @ x, the weight as the
     left operand: as the right one, XLA would first copy it into [C, O] (its dot canonicalization wants a right
     operand's contracted axes first). More rows multiply x by the weight's 2-D transpose, which the matrix multiply
-    reads in place (on this layout, faster than one row at a time: docs/design.md, 'Verify blocks on a CPU'). A tied
-    LM head (`tied_head`) of MULTIPLY_REDUCE_MIN_WEIGHT elements or more takes `_multiply_reduce` from 3 to 32 rows
-    instead. A spec whose contracted axes are not x's trailing ones in the stored order falls back to an einsum (no
-    model code has one)."""
+    reads in place (on this layout, faster than one row at a time: docs/design.md, 'Verify blocks on a CPU'). A weight
+    of MULTIPLY_REDUCE_MIN_WEIGHT elements or more (a tied LM head, a large model's MLP) takes `_multiply_reduce` from
+    3 to 32 rows instead. A spec whose contracted axes are not x's trailing ones in the stored order falls back to an
+    einsum (no model code has one)."""
     x_axes, w_axes, out_axes = _parse(spec, x.ndim)
     stored = w.stored_axes(w_axes)
     contracted = "".join(a for a in stored if a in x_axes and a not in out_axes)
@@ -252,7 +251,7 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
     x2 = x.reshape(rows, inner)  # [N, C]
     if rows == 1:
         out = jnp.matmul(w2, x2[0], preferred_element_type=preferred_element_type)[None]  # [1, O]
-    elif (jax.default_backend() == "cpu" and w.is_head and w2.size >= MULTIPLY_REDUCE_MIN_WEIGHT
+    elif (jax.default_backend() == "cpu" and w2.size >= MULTIPLY_REDUCE_MIN_WEIGHT
           and MULTIPLY_REDUCE_MIN_ROWS <= rows <= MULTIPLY_REDUCE_MAX_ROWS):
         out = _multiply_reduce(x2, w2, preferred_element_type)
     else:
@@ -264,8 +263,9 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
 def _multiply_reduce(x2: jax.Array, w2: jax.Array, preferred_element_type) -> jax.Array:
     """x2 [N, C] by w2 [O, C] -> [N, O], as one elementwise product summed over C in [O, N, C] order.
 
-    For a tied LM head read in place ([V, D]) and 3 to 32 rows, XLA:CPU fuses this into one pass that reads each
-    embedding row once for all N rows, where its matrix multiply of a few rows streams the head more slowly. Beyond 4
+    For a weight of MULTIPLY_REDUCE_MIN_WEIGHT elements or more (a tied LM head read in place, [V, D]; a large model's
+    MLP) and 3 to 32 rows, XLA:CPU fuses this into one pass that reads each weight row once for all N rows, where its
+    matrix multiply of a few rows streams a weight that no cache holds more slowly. Beyond 4
     rows, x2 is padded with zero rows to a multiple of 8, which XLA:CPU vectorizes better (figures for both:
     docs/design.md, 'A head by 3-32 rows')."""
     rows = x2.shape[0]

@@ -59,22 +59,22 @@ def test_the_head_copy_serves_forwards_of_one_row():
 
 
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 11, 32, 33])
-def test_a_head_sized_weight_in_place_takes_the_multiply_reduce_from_3_to_32_rows(rows):
-    """A tied head of MULTIPLY_REDUCE_MIN_WEIGHT elements or more, read in place, is multiplied as an elementwise
-    product and a sum from 3 to 32 rows (beyond 4 padded to a multiple of 8), by matrix products at 2 and 33; all
-    equal the einsum. A layer's weight of that size is not a head, and keeps its matrix products."""
+def test_a_large_weight_takes_the_multiply_reduce_from_3_to_32_rows(rows):
+    """A weight of MULTIPLY_REDUCE_MIN_WEIGHT elements or more, a tied head read in place or a layer's projection
+    stored [out, in], is multiplied as an elementwise product and a sum from 3 to 32 rows (beyond 4 padded to a
+    multiple of 8), by matrix products at 2 and 33; all equal the einsum. A smaller weight keeps its matrix products."""
     dim = 64
     embed = jax.random.normal(jax.random.PRNGKey(0), (I.MULTIPLY_REDUCE_MIN_WEIGHT // dim + 8, dim))  # [V, D]
     hidden = jax.random.normal(jax.random.PRNGKey(rows), (1, rows, dim))
-    head = I.tied_head(embed)
-    logits = I.project("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
-    np.testing.assert_allclose(logits, hidden @ embed.T, rtol=1e-4, atol=1e-4)
-    primitives = str(jax.make_jaxpr(lambda h, e: I.project("...d,dv->...v", h, I.tied_head(e)))(hidden, embed))
     reduced = I.MULTIPLY_REDUCE_MIN_ROWS <= rows <= I.MULTIPLY_REDUCE_MAX_ROWS
-    assert ("reduce_sum" in primitives, "dot_general" in primitives) == (reduced, not reduced)
-    # A layer's weight of the same size keeps its matrix products (faster for those shapes).
     layer = I.contracted_last(embed.T, (0,))  # [D, V] stored [V, D], as a projection's
-    primitives = str(jax.make_jaxpr(lambda h, w: I.project("...d,dv->...v", h, w))(hidden, layer))
+    for weight in (I.tied_head(embed), layer):
+        logits = I.project("...d,dv->...v", hidden, weight, preferred_element_type=jnp.float32)
+        np.testing.assert_allclose(logits, hidden @ embed.T, rtol=1e-4, atol=1e-4)
+        primitives = str(jax.make_jaxpr(lambda h, w: I.project("...d,dv->...v", h, w))(hidden, weight))
+        assert ("reduce_sum" in primitives, "dot_general" in primitives) == (reduced, not reduced)
+    small = I.contracted_last(embed[:1000].T, (0,))
+    primitives = str(jax.make_jaxpr(lambda h, w: I.project("...d,dv->...v", h, w))(hidden, small))
     assert "reduce_sum" not in primitives and "dot_general" in primitives
 
 
