@@ -117,14 +117,13 @@ class Schedule:
       of its width (measured at the batch it runs: a [8, 4] block does not cost what a [1, 4] block costs) plus
       `draft_cost` per draft (drafting-model steps, in target steps). Every row then drafts that length (a width already
       paid verifies a row's extra drafts for nothing). When no length beats a plain step, the batch does not draft,
-      except for a probe whenever a row's cooldown is over (`probe_length`: one draft where a block of 2 pays well;
+      except for a probe whenever a row's cooldown is over (`probe_length`: one draft where a block of 2 could pay;
       only where some length could pay at all: `drafting_can_pay`); the cooldown follows 1, 2, 4, ... up to
       MAX_COOLDOWN rounds (doubling while probes miss; a row's hit counts only where the probe's tokens paid for the
       batch's round; `probe_spacing` times longer for drafters whose probe costs more), so that text which starts to
-      repeat is noticed. Rows probe together, so their
-      cooldowns stay in step and a batch probes no more often than one row would. On text the drafter cannot predict,
-      drafting therefore costs one cheap probe every ~33 rounds; on text it predicts, the batch drafts the length that
-      pays best.
+      repeat is noticed. Rows probe together, so their cooldowns stay in step and a batch probes no more often than
+      one row would. On text the drafter cannot predict, drafting therefore costs one cheap probe every ~33 rounds; on
+      text it predicts, the batch drafts the length that pays best.
     - "constant": always K (HF's default for assistants, and what HF's prompt lookup does).
     - "heuristic" / "heuristic_transient": HF's rule, +2 after a round in which every draft was accepted (a round
       without drafts counts, as in HF), else -1, never below 1, capped by K.
@@ -157,7 +156,6 @@ class Schedule:
     PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
     DECAY = 0.8  # evidence from each earlier drafting round counts this much less
     PROBE_UNIT = 0.1  # probes that cost up to this (in plain steps) back off 1, 2, 4, ... MAX_COOLDOWN rounds
-    PROBE_MIN_GAIN = 1.1  # a probe drafts enough that a perfect hit gains this much over plain steps, where it can
 
     def init(self, batch: int, initial: jax.Array) -> DraftLength:
         zeros = jnp.zeros((batch,), jnp.int32)
@@ -214,22 +212,21 @@ class Schedule:
         return jnp.maximum(1, jnp.ceil(probe_cost / self.PROBE_UNIT - 1e-6)).astype(jnp.int32)
 
     def probe_length(self) -> jax.Array:
-        """[] int32: how many drafts a probe proposes: the fewest whose round would gain at least PROBE_MIN_GAIN on
-        text the drafter predicts perfectly (d drafts committing d + 1 tokens for `round_price(d)`), else the fewest
-        whose round would pay at all, else 1 (`drafting_can_pay` then keeps the batch from probing at all).
+        """[] int32: how many drafts a probe proposes: one where a one-draft round could pay on text the drafter
+        predicts perfectly (two tokens for `round_price(1)`), as on every small model here; otherwise the fewest that
+        fill a verify width whose round could (d drafts committing d + 1 tokens); 1 where none could
+        (`drafting_can_pay` then keeps the batch from probing at all).
 
-        One draft wherever a block of 2 pays well, as on small models. Where it cannot pay (a 1.5B target on a CPU: a
-        block of 2 at 2.39 plain steps plus a 0.5B draft at 0.32, while a block of 4 cost 2.30), a one-draft probe
-        could never pay for its round, so every probe would count as a miss and the schedule would never learn an
-        acceptance that pays at a longer length (docs/design.md, 'Probes'). Two drafts in that block of 4 would only
-        just pay (3 tokens for 2.94 steps): a probe whose hit gains that little pays little and teaches little, and
-        in a simulation of the pair it did worse than three (0.974x against 1.012x at acceptance 0.89; `python
-        benchmarks/simulate_schedule.py --only 1.5B`)."""
-        drafts = jnp.arange(1, self.widths[-1], dtype=jnp.int32)  # [K] every length the widths hold
-        gain = (drafts + 1) / self.round_price(drafts)  # [K] on text predicted perfectly
-        clear, pays = gain >= self.PROBE_MIN_GAIN, gain > 1
-        return jnp.where(jnp.any(clear), drafts[jnp.argmax(clear)],
-                         jnp.where(jnp.any(pays), drafts[jnp.argmax(pays)], 1)).astype(jnp.int32)
+        A 1.5B target on a CPU prices a block of 2 at 2.39 plain steps, plus a 0.5B draft at 0.32, and a block of 4 at
+        2.30: a one-draft probe could never pay for its round, so every probe would count as a miss and the schedule
+        would never learn an acceptance that pays at 3-4 drafts (docs/design.md, 'Probes'). Lengths that fill their
+        width, since a block has room for them at no more than their drafting: 2 drafts in that block of 4 would just
+        pay (3 tokens for 2.94 steps), and simulated, the pair did worse with them than with 3 (0.974x against 1.012x
+        at acceptance 0.89; `python benchmarks/simulate_schedule.py --only 1.5B`)."""
+        candidates = sorted({1} | {w - 1 for w in self.widths if w > 1})
+        drafts = jnp.asarray(candidates, jnp.int32)  # [C]
+        can_pay = drafts + 1 > self.round_price(drafts)  # [C]
+        return jnp.where(jnp.any(can_pay), drafts[jnp.argmax(can_pay)], 1).astype(jnp.int32)
 
     @property
     def entry_widths(self) -> tuple[int, ...]:

@@ -315,10 +315,10 @@ def simulate_one_row(schedule, acceptance: float, rounds: int, seed: int = 0) ->
     return tokens, cost, drafting
 
 
-def test_a_probe_drafts_the_fewest_that_could_pay():
+def test_a_probe_drafts_enough_to_pay_for_its_round():
     """Where a block of 2 cannot pay even when its draft is accepted, a one-draft probe never pays for its round: every
     probe would count as a miss and the schedule would never learn an acceptance that pays at a longer length. So a
-    probe drafts the fewest that could pay. Prices of Qwen2.5-Coder-1.5B drafted by the 0.5B on a CPU (blocks of 2,
+    probe drafts the fewest that fill a verify width whose round could pay on text predicted perfectly. Prices of Qwen2.5-Coder-1.5B drafted by the 0.5B on a CPU (blocks of 2,
     4 and 5 at 2.39, 2.30 and 2.43 plain steps, 0.32 a draft), at the pair's measured acceptance of 0.89: 3 drafts,
     4 tokens for 3.26 steps, and the row learns to draft; probing with one draft, it hardly drafts. (The pair pays
     at most 1.08x at 0.89, with 4 drafts, and a decayed estimate of the acceptance wanders across the 0.85 where
@@ -340,6 +340,11 @@ def test_a_probe_drafts_the_fewest_that_could_pay():
     assert speedup > 1.02 and one_draft_speedup < 1.0 and drafting > 3 * one_draft_drafting
     # Where a block of 2 can pay (CPU_COSTS: 1.5 steps with a 0.3 draft), a probe is one draft, as it always was.
     assert int(Schedule("adaptive", draft_cost=0.3, **CPU_COSTS).probe_length()) == 1
+    # Where only the widest block could pay (3 drafts: 4 tokens for 4.04 steps; 4: 5 tokens for 4.75), 4 drafts.
+    assert int(dataclasses.replace(schedule, draft_cost=0.58).probe_length()) == 4
+    # Verifying at the ends (widths 1 and 5), one draft in the block of 5 can pay (2 tokens for 1.55 steps): one.
+    ends = Schedule("adaptive", draft_cost=0.0, widths=(1, 5), verify_costs=(1.0, 1.55))
+    assert int(ends.probe_length()) == 1 and int(ends.probe_spacing) == 6
 
 
 def test_rows_with_nothing_to_copy_neither_buy_a_block_nor_probe():
