@@ -2,10 +2,11 @@
 adaptive schedule's cost model priced those rounds at.
 
     python benchmarks/bench_rounds.py [--model smollm2-135m] [--strategy mtp] [--max-new-tokens 64] [--passes 3]
+        [--prompts code_editing,...] [--assistant qwen2.5-coder-0.5b]
 
-Strategies: mtp (the shipped layers), eagle3 and dflash (the shipped drafters), prompt_lookup (K = 10). Every prompt
-of benchmarks/_bench_prompts.py, batch 1, greedy, as a chat message; each pass runs plain decoding and the strategy
-back to back. Columns:
+Strategies: mtp (the shipped layers), eagle3 and dflash (the shipped drafters), prompt_lookup (K = 10), speculative
+(the `--assistant` model, K = 4). Every prompt of benchmarks/_bench_prompts.py (or those named), batch 1, greedy, as a
+chat message; each pass runs plain decoding and the strategy back to back. Columns:
 
 - speedup: the median over passes of plain decoding's call time over the strategy's (prefill included);
 - modelled: the speedup the cost model expected for the rounds the strategy ran (`GenerateOutput.modelled_speedup`);
@@ -30,7 +31,8 @@ from _record import Record, add_results_argument
 
 STRATEGIES = {"mtp": {"use_mtp": True}, "prompt_lookup": {"prompt_lookup_num_tokens": 10},
               "eagle3": {"assistant_model": "smollm2-135m-eagle3"},
-              "dflash": {"assistant_model": "smollm2-135m-dflash"}}
+              "dflash": {"assistant_model": "smollm2-135m-dflash"},
+              "speculative": {"num_assistant_tokens": 4}}  # and --assistant
 
 
 def main(argv=None) -> None:
@@ -39,25 +41,35 @@ def main(argv=None) -> None:
     p.add_argument("--strategy", default="mtp", choices=sorted(STRATEGIES))
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--prompts", default=",".join(PROMPTS), help=", ".join(PROMPTS))
+    p.add_argument("--assistant", default=None,
+                   help="the assistant of --strategy speculative (a catalogue name or a path)")
     add_results_argument(p)
     args = p.parse_args(argv)
     if args.passes < 1 or args.max_new_tokens < 2:
         p.error("--passes must be at least 1 and --max-new-tokens at least 2")
+    prompts = args.prompts.split(",")
+    if unknown := [name for name in prompts if name not in PROMPTS]:
+        p.error(f"unknown prompts {unknown}; choose from {', '.join(PROMPTS)}")
+    if (args.strategy == "speculative") != (args.assistant is not None):
+        p.error("--assistant goes with --strategy speculative, and it needs one")
     record = Record("bench_rounds", __file__, argv, args.results)
 
     import jaxspec
 
     model = jaxspec.load(args.model)
     kwargs = dict(STRATEGIES[args.strategy])
+    if args.assistant is not None:
+        kwargs["assistant_model"] = args.assistant
     if "assistant_model" in kwargs:
         kwargs["assistant_model"] = jaxspec.load(kwargs["assistant_model"])
-    ids = {name: chat_ids(model.tokenizer, text) for name, text in PROMPTS.items()}
+    ids = {name: chat_ids(model.tokenizer, PROMPTS[name]) for name in prompts}
 
     def calls(name):
         plain = jaxspec.generate(model, [ids[name]], max_new_tokens=args.max_new_tokens)
         return plain, jaxspec.generate(model, [ids[name]], max_new_tokens=args.max_new_tokens, **kwargs)
 
-    for name in PROMPTS:
+    for name in prompts:
         calls(name)  # compiles (and prices the strategy's loop on its first call)
     title = (f"{args.strategy} against plain decoding: {args.model}, {args.max_new_tokens} new tokens, batch 1, "
              f"median of {args.passes} passes")
@@ -66,7 +78,7 @@ def main(argv=None) -> None:
           "| tokens/round | acceptance |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
-    for name in PROMPTS:
+    for name in prompts:
         passes = [calls(name) for _ in range(args.passes)]
         speedup = statistics.median(plain.decode_seconds / mine.decode_seconds for plain, mine in passes)
         round_steps = statistics.median(mine.seconds_per_round / plain.seconds_per_round for plain, mine in passes)
