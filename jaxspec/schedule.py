@@ -213,7 +213,7 @@ class Schedule:
 
     def probe_length(self) -> jax.Array:
         """[] int32: how many drafts a probe proposes: one where a one-draft round could pay on text the drafter
-        predicts perfectly (two tokens for `round_price(1)`), as on every small model here; otherwise the fewest that
+        predicts perfectly (two tokens for `round_price(1)`), as for the small models here; otherwise the fewest that
         fill a verify width whose round could (d drafts committing d + 1 tokens); 1 where none could
         (`drafting_can_pay` then keeps the batch from probing at all).
 
