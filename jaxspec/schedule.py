@@ -217,12 +217,11 @@ class Schedule:
         fill a verify width whose round could (d drafts committing d + 1 tokens); 1 where none could
         (`drafting_can_pay` then keeps the batch from probing at all).
 
-        A 1.5B target on a CPU prices a block of 2 at 2.39 plain steps, plus a 0.5B draft at 0.32, and a block of 4 at
-        2.30: a one-draft probe could never pay for its round, so every probe would count as a miss and the schedule
-        would never learn an acceptance that pays at 3-4 drafts (docs/design.md, 'Probes'). Lengths that fill their
-        width, since a block has room for them at no more than their drafting: 2 drafts in that block of 4 would just
-        pay (3 tokens for 2.94 steps), and simulated, the pair did worse with them than with 3 (0.974x against 1.012x
-        at acceptance 0.89; `python benchmarks/simulate_schedule.py --only 1.5B`)."""
+        Where a block of 2 costs more than its two tokens (a 1.5B target on a CPU, drafted by a 0.5B assistant), a
+        one-draft probe could never pay for its round: every probe would count as a miss, and the schedule would
+        never learn an acceptance that pays at 3-4 drafts. Lengths that fill their width, since a block has room for
+        them for no more than their drafting; a shorter probe in the same block would only just pay, and simulated,
+        did worse (docs/design.md, 'Probes that can pay, and the kernel again')."""
         candidates = sorted({1} | {w - 1 for w in self.widths if w > 1})
         drafts = jnp.asarray(candidates, jnp.int32)  # [C]
         can_pay = drafts + 1 > self.round_price(drafts)  # [C]
