@@ -40,6 +40,26 @@ def test_a_row_whose_drafts_pay_drafts_most_rounds(simulation):
     assert all(run.drafting >= 0.8 * run.rounds and 32 / run.cost > 1.1 for run in runs)
 
 
+def test_probes_that_can_pay_teach_a_costly_pair_to_draft(simulation, monkeypatch):
+    """The 1.5B + 0.5B pair's prices on a CPU, where a one-draft round can never pay (Schedule.probe_length), at the
+    pair's measured acceptance of 0.89: with probes of 3 drafts the row learns to draft; probing with one draft, it
+    hardly drafts. (The pair pays at most 1.08x at 0.89, with 4 drafts, and a decayed estimate of the acceptance
+    wanders across the 0.85 where drafting starts to pay, so single runs vary: their mean over seeds is asserted.)"""
+    name, rates, verify_costs, draft_cost, max_draft = next(
+        scenario for scenario in simulation.SCENARIOS if scenario[0] == "1.5B + 0.5B prices, batch 1 at 0.89")
+
+    def mean_over_seeds() -> tuple[float, float]:  # -> (speedup, fraction of rounds that drafted)
+        runs = [simulation.simulate(rates, verify_costs, draft_cost, 256, seed, max_draft) for seed in range(6)]
+        return sum(256 / run.cost for run in runs) / 6, sum(run.drafting / run.rounds for run in runs) / 6
+
+    speedup, drafting = mean_over_seeds()
+    from jaxspec.schedule import Schedule
+
+    monkeypatch.setattr(Schedule, "probe_length", lambda self: 1)
+    one_draft_speedup, one_draft_drafting = mean_over_seeds()
+    assert speedup > 1.02 and one_draft_speedup < 1.0 and drafting > 3 * one_draft_drafting
+
+
 def test_the_script_prints_its_table(simulation, capsys):
     assert simulation.main(["--tokens", "8", "--seeds", "1"]) == 0
     table = capsys.readouterr().out

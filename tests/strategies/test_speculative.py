@@ -299,45 +299,15 @@ def test_a_drafter_that_could_never_pay_never_probes():
     assert cheapest.allowed(idle).tolist() == [4] * 4
 
 
-def simulate_one_row(schedule, acceptance: float, rounds: int, seed: int = 0) -> tuple[int, float, int]:
-    """One row of a drafter whose drafts are each accepted with probability `acceptance`, through `rounds` rounds
-    priced by the schedule; -> (tokens committed, cost in plain steps, rounds that drafted)."""
-    rng = np.random.default_rng(seed)
-    state, tokens, cost, drafting = schedule.init(1, initial=1), 0, 0.0, 0
-    for _ in range(rounds):
-        drafted = int(schedule.allowed(state)[0])
-        accepted = int(np.argmin(np.append(rng.random(drafted) < acceptance, False)))  # leading accepted drafts
-        result = RoundResult(drafted=np.array([drafted]), accepted=np.array([accepted]),
-                             committed=np.array([accepted + 1]), tokens=None, hidden=None, lengths=None)
-        state = schedule.update(state, result, cap=schedule.widths[-1] - 1)
-        tokens, cost = tokens + accepted + 1, cost + (float(schedule.round_price(np.int32(drafted))) if drafted else 1)
-        drafting += drafted > 0
-    return tokens, cost, drafting
-
-
 def test_a_probe_drafts_enough_to_pay_for_its_round():
     """Where a block of 2 cannot pay even when its draft is accepted, a one-draft probe never pays for its round: every
     probe would count as a miss and the schedule would never learn an acceptance that pays at a longer length. So a
-    probe drafts the fewest that fill a verify width whose round could pay on text predicted perfectly. Prices of Qwen2.5-Coder-1.5B drafted by the 0.5B on a CPU (blocks of 2,
-    4 and 5 at 2.39, 2.30 and 2.43 plain steps, 0.32 a draft), at the pair's measured acceptance of 0.89: 3 drafts,
-    4 tokens for 3.26 steps, and the row learns to draft; probing with one draft, it hardly drafts. (The pair pays
-    at most 1.08x at 0.89, with 4 drafts, and a decayed estimate of the acceptance wanders across the 0.85 where
-    drafting starts to pay, so single runs vary: their mean over seeds is what is asserted.)"""
+    probe drafts the fewest that fill a verify width whose round could pay on text predicted perfectly. Prices of
+    Qwen2.5-Coder-1.5B drafted by the 0.5B on a CPU (blocks of 2, 4 and 5 at 2.39, 2.30 and 2.43 plain steps, 0.32 a
+    draft): 3 drafts, 4 tokens for 3.26 steps. (What that does to a decode: tests/e2e/test_simulate_schedule.py.)"""
     widths, verify = (1, 2, 4, 5), (1.0, 2.39, 2.30, 2.43)
     schedule = Schedule("adaptive", draft_cost=0.32, widths=widths, verify_costs=verify)
     assert int(schedule.probe_length()) == 3 and int(schedule.probe_spacing) == 23  # a probe: 2.26 steps more
-
-    class OneDraftProbe(Schedule):
-        def probe_length(self):
-            return np.int32(1)
-
-    def mean_over_seeds(schedule) -> tuple[float, float]:  # -> (speedup, fraction of rounds that drafted)
-        runs = [simulate_one_row(schedule, 0.89, rounds=200, seed=seed) for seed in range(6)]
-        return np.mean([tokens / cost for tokens, cost, _ in runs]), np.mean([drafting / 200 for *_, drafting in runs])
-
-    speedup, drafting = mean_over_seeds(schedule)
-    one_draft_speedup, one_draft_drafting = mean_over_seeds(OneDraftProbe(**dataclasses.asdict(schedule)))
-    assert speedup > 1.02 and one_draft_speedup < 1.0 and drafting > 3 * one_draft_drafting
     # Where a block of 2 can pay (CPU_COSTS: 1.5 steps with a 0.3 draft), a probe is one draft, as it always was.
     assert int(Schedule("adaptive", draft_cost=0.3, **CPU_COSTS).probe_length()) == 1
     # Where only the widest block could pay (3 drafts: 4 tokens for 4.04 steps; 4: 5 tokens for 4.75), 4 drafts.
