@@ -11,6 +11,7 @@ from tests.fixtures import hf_models, oracles
 from tests.fixtures.prompts import PROMPTS
 
 N = 24
+K, THRESHOLD = 4, 0.4  # transformers' default threshold: some of the near assistant's drafts are doubted
 
 
 @pytest.fixture(scope="module")
@@ -21,24 +22,24 @@ def near_draft(tiny_llama_dir, tmp_path_factory):
     return jaxspec.load(str(folder))
 
 
-@pytest.mark.parametrize("k, threshold", [(3, 0.0), (4, 0.4)])
-def test_the_replay_is_the_loops_rounds(target, near_draft, k, threshold):
+def test_the_replay_is_the_loops_rounds(target, near_draft):
     import teacher_forced  # benchmarks/ is on sys.path (pyproject's pythonpath)
 
-    replayed_rounds, ended_early = 0, 0
+    replayed_rounds, ended_early, doubted = 0, 0, 0
     for prompt in PROMPTS:
         matches, top, ended = teacher_forced.teacher_forced(target, near_draft, list(prompt), N)
         out = jaxspec.generate(target, [prompt], max_new_tokens=N, assistant_model=near_draft,
-                               num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
-                               assistant_confidence_threshold=threshold)
+                               num_assistant_tokens=K, num_assistant_tokens_schedule="constant",
+                               assistant_confidence_threshold=THRESHOLD)
         assert out.num_new_tokens[0] == len(matches) and ended == (len(matches) < N)
-        rounds = teacher_forced.replay_constant(matches, top >= threshold, k, N, ended)
+        rounds = teacher_forced.replay_constant(matches, top >= THRESHOLD, K, N, ended)
         assert out.rounds == len(rounds)
-        assert out.accepted_hist.sum(0).tolist() == oracles.histogram(rounds, k)
+        assert out.accepted_hist.sum(0).tolist() == oracles.histogram(rounds, K)
         replayed_rounds += len(rounds)
         ended_early += ended
+        doubted += int(np.sum(top < THRESHOLD))
     assert 0 < np.mean(matches) < 1 and replayed_rounds < len(PROMPTS) * (N - 1)  # some drafts accepted, some not
-    assert ended_early  # and an answer that ends with an EOS drafted, where drafting stops
+    assert ended_early and doubted  # and an answer that ends with an EOS, and drafts that end their round doubted
 
 
 def test_the_order_of_the_matches_decides_the_rounds():
