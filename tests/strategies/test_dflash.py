@@ -191,6 +191,59 @@ def test_sampling_is_exact_and_a_lossy_q_is_caught(pair, monkeypatch):
     assert min(p_values) < 1e-6, p_values
 
 
+@pytest.mark.slow  # ~60 s: 8,000 batch-1 calls of the two references
+def test_the_references_sample_exactly(pair):
+    """transformers' `speculation_type="dflash"` and z-lab's `dflash_generate` (PyPI `dflash` 0.1.0) each draw a block
+    position from its processed law and verify the draft with that law, by their code; checked here rather than
+    assumed (docs/design.md, 'Feature taps and block drafters'): 4000 rows of each follow the target's law at
+    TEMPERATURE, and the same rows fail against the law at a 20% lower temperature, which shows the check's power. At
+    TEMPERATURE both the target's and a random drafter's laws are flat, so drafts are often accepted: in many rows the
+    target runs twice, the prompt and one block that commits the other two tokens."""
+    import transformers
+    from dflash import model as dflash_model
+
+    _, _, hf_target, muse = pair
+    prompt, rows = PROMPTS[2], 4000
+    ids = torch.tensor([prompt])
+    zlab_config = transformers.Qwen3Config(
+        hidden_size=hf_target.config.hidden_size, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=hf_target.config.vocab_size,
+        num_target_layers=hf_target.config.num_hidden_layers, block_size=BLOCK,
+        layer_types=["full_attention", "full_attention"],
+        dflash_config={"mask_token_id": DRAFTER["mask_token_id"], "target_layer_ids": DRAFTER["target_layer_ids"]})
+    zlab = dflash_fixtures.randomize(dflash_model.DFlashDraftModel(zlab_config), seed=4)
+    torch.manual_seed(0)
+    eos = hf_target.generation_config.eos_token_id
+    hf_target.generation_config.eos_token_id = None  # decode the full budget, as exact_marginals counts
+    forwards = []  # the target's forwards in each row: 2 (the prompt, one block) where the block committed a draft
+    counting = hf_target.register_forward_hook(lambda *_: forwards.append(1))
+
+    def counted(sample):
+        start = len(forwards)
+        tokens = sample()[0, len(prompt):].numpy()
+        return tokens, len(forwards) - start
+
+    try:
+        with torch.no_grad():
+            transformers_rows = [counted(lambda: hf_target.generate(
+                ids, assistant_model=muse, speculation_type="dflash", do_sample=True, temperature=TEMPERATURE, top_k=0,
+                max_new_tokens=3)) for _ in range(rows)]
+            zlab_rows = [counted(lambda: dflash_model.dflash_generate(zlab, hf_target, ids, 3, None,
+                                                                      temperature=TEMPERATURE)) for _ in range(rows)]
+    finally:
+        hf_target.generation_config.eos_token_id = eos
+        counting.remove()
+    exact = oracles.exact_marginals(hf_target, prompt, positions=3, temperature=TEMPERATURE)
+    colder = oracles.exact_marginals(hf_target, prompt, positions=3, temperature=0.8 * TEMPERATURE)
+    for name, drawn in (("transformers", transformers_rows), ("z-lab", zlab_rows)):
+        samples = np.stack([tokens for tokens, _ in drawn])  # [rows, 3]
+        assert samples.shape == (rows, 3), name
+        accepting = sum(count == 2 for _, count in drawn)
+        assert accepting > rows // 4, f"{name}: a draft was accepted in only {accepting} rows"
+        assert min(oracles.goodness_of_fit(samples[:, i], exact[i]) for i in range(3)) > 1e-3, name
+        assert min(oracles.goodness_of_fit(samples[:, i], colder[i]) for i in range(3)) < 1e-6, name
+
+
 def _drafted_rounds(target, drafter, monkeypatch, draw_all: bool, **kwargs):
     """Every round's (count, drafts of row 0 up to K) as the loop proposed them; `draw_all`: every drafting round draws
     all K positions of its block, as DFlash rounds did before 7d5bb0a."""
