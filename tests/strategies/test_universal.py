@@ -621,6 +621,20 @@ def test_sampling_is_exact(folders, loaded, near_twin):
         assert oracles.goodness_of_fit(new[:, i], exact[i]) > 1e-3, i
 
 
+def test_transformers_cannot_sample_with_this_assistant(folders, loaded, near_twin):
+    """transformers 5.23's sampling path of universal decoding fails for the assistant of `test_sampling_is_exact`,
+    whose vocabulary is a subset of the target's: it always asks its translator to prune the assistant's LM head,
+    the translator builds the pruned id map only where some assistant token is missing from the target's vocabulary,
+    and it then reads that map anyway. Should a later transformers fix it, this fails, and docs/design.md ('Universal
+    assisted decoding') needs the new behaviour."""
+    prompt = torch.tensor([[40, 41, 42, 43]])
+    hf_target, hf_twin = hf_models.load_hf(folders["byte_level"]), hf_models.load_hf(near_twin)
+    with torch.no_grad(), pytest.raises(AttributeError, match="assistant_overlap_token_ids"):
+        hf_target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=True,
+                           temperature=0.3, assistant_model=hf_twin, tokenizer=loaded["byte_level"].tokenizer,
+                           assistant_tokenizer=jaxspec.load(near_twin).tokenizer)
+
+
 @pytest.mark.slow  # ~12 s
 def test_a_quantized_assistant_with_another_tokenizer(loaded, near_twin):
     """An int8 assistant (jaxspec.quantize) drafts in its own vocabulary as its float32 self does: a batch of ragged
