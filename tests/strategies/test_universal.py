@@ -635,6 +635,43 @@ def test_transformers_cannot_sample_with_this_assistant(folders, loaded, near_tw
                            assistant_tokenizer=jaxspec.load(near_twin).tokenizer)
 
 
+@pytest.mark.slow  # ~70 s: 4000 batch-1 calls of transformers' generate
+def test_transformers_own_sampling_is_lossy(folders, loaded, near_twin):
+    """transformers 5.23 samples universal decoding through its translator (`UniversalSpeculativeDecodingGenerator`).
+    With the near twin as the target and the byte-level model as its assistant (the other way round transformers
+    fails: `test_transformers_cannot_sample_with_this_assistant`), 2000 rows of its sampled tokens fail the chi-square
+    against the target's exact law, where transformers' plain sampling of the same target and jaxspec's universal
+    decoding of the same pair pass it."""
+    k, rows, temperature = 3, 2000, 0.3
+    twin = jaxspec.load(near_twin)
+    hf_twin, hf_full = hf_models.load_hf(near_twin), hf_models.load_hf(folders["byte_level"])
+    hf_full.generation_config.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                                     assistant_confidence_threshold=0.0)
+    hf_twin.generation_config.eos_token_id = None  # the full budget, as exact_marginals counts
+    prompt = encode(twin.tokenizer, PROMPTS[2:])[0]  # the full model's drafts are often the twin's choice here
+    exact = oracles.exact_marginals(hf_twin, prompt, positions=3, temperature=temperature)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    ids = torch.tensor([prompt])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        assisted = np.stack([hf_twin.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k + 2,
+                                              assistant_model=hf_full, tokenizer=twin.tokenizer,
+                                              assistant_tokenizer=loaded["byte_level"].tokenizer,
+                                              **sampling)[0, len(prompt):][:3].numpy() for _ in range(rows)])
+        plain = np.stack([hf_twin.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                                           **sampling)[0, len(prompt):].numpy() for _ in range(rows)])
+    mine = jaxspec.generate(twin, [prompt] * rows, max_new_tokens=k + 2, eos_token_id=[], seed=3,
+                            assistant_model=loaded["byte_level"], num_assistant_tokens=k,
+                            num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0, **sampling)
+    assert mine.strategy == "universal" and mine.accepted_hist[:, 2:].sum() > 100  # multi-draft rounds accept
+
+    def worst(samples):  # the smallest p-value over the first three new tokens
+        return min(oracles.goodness_of_fit(samples[:, i], exact[i]) for i in range(3))
+
+    assert worst(plain) > 1e-3 and worst(mine.sequences[:, len(prompt):]) > 1e-3
+    assert worst(assisted) < 1e-6
+
+
 @pytest.mark.slow  # ~12 s
 def test_a_quantized_assistant_with_another_tokenizer(loaded, near_twin):
     """An int8 assistant (jaxspec.quantize) drafts in its own vocabulary as its float32 self does: a batch of ragged
