@@ -635,7 +635,7 @@ def test_transformers_cannot_sample_with_this_assistant(folders, loaded, near_tw
                            assistant_tokenizer=jaxspec.load(near_twin).tokenizer)
 
 
-@pytest.mark.slow  # ~70 s: 4000 batch-1 calls of transformers' generate
+@pytest.mark.slow  # ~60 s: 4000 batch-1 calls of transformers' generate
 def test_transformers_own_sampling_is_lossy(folders, loaded, near_twin):
     """transformers 5.23 samples universal decoding through its translator (`UniversalSpeculativeDecodingGenerator`).
     With the near twin as the target and the byte-level model as its assistant (the other way round transformers
