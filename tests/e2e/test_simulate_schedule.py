@@ -30,13 +30,13 @@ def test_a_batch_whose_drafts_do_not_pay_probes_rarely(simulation):
     """Eight rows at 0.25-0.67 acceptance where a one-draft round costs 1.57 plain steps (it pays above 0.57): the
     rows' occasional hits must not keep the batch probing (before 95cf9d8: about 13 probes in 30 rounds)."""
     name, rates, verify_costs, draft_cost = simulation.SCENARIOS[0]
-    runs = [simulation.simulate(rates, verify_costs, draft_cost, tokens=32, seed=seed) for seed in range(3)]
+    runs = simulation.simulate(rates, verify_costs, draft_cost, tokens=32, seeds=range(3))
     assert all(run.probes <= 6 and run.drafting <= 8 for run in runs), [describe(run) for run in runs]
     assert all(32 / run.cost > 0.9 for run in runs)
 
 
 def test_a_row_whose_drafts_pay_drafts_most_rounds(simulation):
-    runs = [simulation.simulate((0.5,), (1.0, 1.15, 1.25), 0.07, tokens=32, seed=seed) for seed in range(3)]
+    runs = simulation.simulate((0.5,), (1.0, 1.15, 1.25), 0.07, tokens=32, seeds=range(3))
     assert all(run.drafting >= 0.8 * run.rounds and 32 / run.cost > 1.1 for run in runs)
 
 
@@ -49,7 +49,7 @@ def test_probes_that_can_pay_teach_a_costly_pair_to_draft(simulation, monkeypatc
         scenario for scenario in simulation.SCENARIOS if scenario[0] == "1.5B + 0.5B prices, batch 1 at 0.89")
 
     def mean_over_seeds() -> tuple[float, float]:  # -> (speedup, fraction of rounds that drafted)
-        runs = [simulation.simulate(rates, verify_costs, draft_cost, 256, seed, max_draft) for seed in range(6)]
+        runs = simulation.simulate(rates, verify_costs, draft_cost, 256, range(6), max_draft)
         return sum(256 / run.cost for run in runs) / 6, sum(run.drafting / run.rounds for run in runs) / 6
 
     speedup, drafting = mean_over_seeds()
