@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from . import distributed, loop
-from .costs import price_loop
+from .costs import mode as step_cost_mode, price_loop
 from .head import verify_head
 from .loading import Model
 from .output import FinalState, GenerateOutput, Timings, unpack
@@ -132,6 +132,7 @@ def generate_with_drafter(
     prompts = PromptBatch.parse(input_ids, attention_mask, settings.pad_id, settings.eos_ids)
     control.check_batch(prompts.size)
     check_budget(model, prompts.rows, settings.max_new_tokens)
+    step_cost_mode()  # read again when the schedule is priced, after the compile: a misspelt value fails here
     call = _lay_out(model, assistant, prompts, drafter, settings, mesh=mesh, rules=sharding_rules or ShardingRules(),
                     chunk=prefill_chunk or default_prefill_chunk(), ensemble_weight=ensemble_weight,
                     return_logits=return_logits)

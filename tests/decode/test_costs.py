@@ -260,8 +260,10 @@ def test_a_misspelt_mode_is_named_before_anything_compiles(measuring, pair, monk
     target, assistant = pair
     monkeypatch.setenv("JAXSPEC_STEP_COSTS", "measured")
     monkeypatch.setattr(costs, "time_loop", lambda *args, **kwargs: pytest.fail("timed with a bad mode"))
+    traced = loop.trace_count()
     with pytest.raises(ValueError, match="JAXSPEC_STEP_COSTS='measured' is not one of measure, default"):
         jaxspec.generate(target, np.array([[5, 17, 29]], np.int32), max_new_tokens=4, assistant_model=assistant)
+    assert loop.trace_count() == traced
 
 
 def test_the_cost_model_prices_each_round_as_the_schedule_does():
