@@ -1,6 +1,6 @@
 """What the training command lines (`jaxspec-train-mtp`, `jaxspec-train-dflash`, `jaxspec-train-eagle3`) share: the
-data flags, the data cache's folder, building a tapped corpus, and timing the target's generation on this machine for
-the time estimate."""
+data flags, the data cache's folder, building (or reading back) a tapped corpus, timing the target's generation on
+this machine for the time estimate, and the summary a finished run writes and prints."""
 
 from __future__ import annotations
 
@@ -170,3 +170,45 @@ def build_tapped_corpora(model, args: argparse.Namespace, layer_ids, data, dflas
                                             layer_ids, args.batch_size, bar.update)
         train_corpus = dflash_data.concat([train_corpus, text])
     return train_corpus, heldout
+
+
+def tapped_corpora(model, args: argparse.Namespace, layer_ids, data_dir: str, recipe: dict[str, Any], cached,
+                   data, dflash_data):
+    """(training corpus, held-out corpus): `cached` where the data folder had them, else built by the target
+    (`build_tapped_corpora`) and saved in `data_dir` under `recipe`, so that the next run reads them."""
+    if cached is not None:
+        train_corpus, heldout = cached
+        print(f"data: {len(train_corpus)} training rows ({train_corpus.num_tokens} tokens) and {len(heldout)} "
+              f"held-out rows, cached in {data_dir}", flush=True)
+        return train_corpus, heldout
+    start = time.perf_counter()
+    train_corpus, heldout = build_tapped_corpora(model, args, layer_ids, data, dflash_data)
+    data.save(train_corpus, os.path.join(data_dir, "train"), recipe)
+    data.save(heldout, os.path.join(data_dir, "heldout"), recipe)
+    print(f"data: {len(train_corpus)} training rows ({train_corpus.num_tokens} tokens) and {len(heldout)} "
+          f"held-out rows in {(time.perf_counter() - start) / 60:.1f} min (cached in {data_dir})", flush=True)
+    return train_corpus, heldout
+
+
+def report_training(result, args: argparse.Namespace, workdir: str, *, recipe: dict[str, Any], data_dir: str,
+                    minutes: float, max_drafts: int, plot: str | None) -> tuple[dict[str, Any] | None, int]:
+    """Write WORKDIR/summary.json (the recipe, the data folder, this session's minutes and what the run's history
+    says: steps, tokens, the last held-out evaluation) and print the held-out acceptance at 1, 2, 4 and `max_drafts`
+    drafts a round. Returns (that evaluation or None before the first, the steps trained)."""
+    history = result.history
+    final = history["evals"][-1] if history["evals"] else None
+    steps = history["step"][-1] if history["step"] else 0
+    summary = {"model": args.model, "steps": steps, "training_tokens": history["tokens"][-1] if history["tokens"] else 0,
+               "train_minutes_this_session": round(minutes, 1), "heldout": final, "recipe": recipe, "data": data_dir,
+               "train_config": history["settings"]}
+    with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as handle:
+        json.dump(summary, handle, indent=2)
+    if final:
+        for k in sorted({1, 2, 4, max_drafts} & set(range(1, max_drafts + 1))):
+            acc = final["acceptance"][str(k)]
+            print(f"held-out, {k} draft(s) per round: acceptance {acc['acceptance_rate']:.3f}, "
+                  f"{acc['tokens_per_round']:.2f} tokens per round")
+        per_draft = final["acceptance"][str(max_drafts)]["per_depth"]
+        print("held-out acceptance of draft k given drafts 1..k-1 accepted: " + " ".join(f"{x:.2f}" for x in per_draft))
+    print(f"plot: {plot or 'skipped (matplotlib is not installed)'}; summary: {workdir}/summary.json")
+    return final, steps

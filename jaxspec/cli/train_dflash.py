@@ -31,13 +31,12 @@ the run will take and how much memory the corpus needs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
-from .train_common import (add_data_flags, build_tapped_corpora, check_data_flags, data_folder, data_recipe,
-                           default_workdir, estimate_tapped_run, print_timing, tapped_data_rates, timed)
+from .train_common import (add_data_flags, check_data_flags, data_folder, data_recipe, default_workdir,
+                           estimate_tapped_run, print_timing, report_training, tapped_corpora, tapped_data_rates, timed)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -138,14 +137,8 @@ def main(argv=None) -> int:
         return 0
 
     # -- data: the target runs once -----------------------------------------------------------------------------
-    train_corpus, heldout = cached
-    if need_data:
-        start = time.perf_counter()
-        train_corpus, heldout = build_tapped_corpora(model, args, layer_ids, data, dflash_data)
-        data.save(train_corpus, os.path.join(data_dir, "train"), recipe)
-        data.save(heldout, os.path.join(data_dir, "heldout"), recipe)
-        print(f"data: {len(train_corpus)} training rows ({train_corpus.num_tokens} tokens) and {len(heldout)} "
-              f"held-out rows in {(time.perf_counter() - start) / 60:.1f} min (cached in {data_dir})", flush=True)
+    train_corpus, heldout = tapped_corpora(model, args, layer_ids, data_dir, recipe, None if need_data else cached,
+                                           data, dflash_data)
 
     # -- the drafter, training, outputs ------------------------------------------------------------------------
     mask = args.mask_token_id
@@ -164,24 +157,10 @@ def main(argv=None) -> int:
     minutes = (time.perf_counter() - start) / 60
     plot = plot_dflash_history(result.history, os.path.join(workdir, "loss.png"),
                                title=f"DFlash drafter, {os.path.basename(os.path.normpath(args.model))}")
-    final = result.history["evals"][-1] if result.history["evals"] else None
-    summary = {"model": args.model, "steps": result.history["step"][-1] if result.history["step"] else 0,
-               "training_tokens": result.history["tokens"][-1] if result.history["tokens"] else 0,
-               "train_minutes_this_session": round(minutes, 1), "heldout": final, "recipe": recipe,
-               "train_config": result.history["settings"]}
-    with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as handle:
-        json.dump(summary, handle, indent=2)
-    if final:
-        for k in sorted({1, 2, 4, args.block_size - 1} & set(range(1, args.block_size))):
-            acc = final["acceptance"][str(k)]
-            print(f"held-out, {k} draft(s) per round: acceptance {acc['acceptance_rate']:.3f}, "
-                  f"{acc['tokens_per_round']:.2f} tokens per round")
-        per_entry = final["acceptance"][str(args.block_size - 1)]["per_depth"]
-        print("held-out acceptance of draft k given drafts 1..k-1 accepted: "
-              + " ".join(f"{x:.2f}" for x in per_entry))
-    print(f"plot: {plot or 'skipped (matplotlib is not installed)'}; summary: {workdir}/summary.json")
-    if summary["steps"] < args.steps:
-        print(f"stopped at step {summary['steps']} of {args.steps}; rerun the same command to resume.")
+    final, steps = report_training(result, args, workdir, recipe=recipe, data_dir=data_dir, minutes=minutes,
+                                   max_drafts=args.block_size - 1, plot=plot)
+    if steps < args.steps:
+        print(f"stopped at step {steps} of {args.steps}; rerun the same command to resume.")
         return 0
     if args.out:
         from jaxspec.train import save_dflash_drafter

@@ -26,13 +26,12 @@ the run will take.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 from .train_common import (add_data_flags, check_data_flags, data_folder, data_recipe, default_workdir,
-                           generation_seconds, generation_step_seconds)
+                           generation_seconds, generation_step_seconds, report_training)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -137,21 +136,10 @@ def main(argv=None) -> int:
     minutes = (time.perf_counter() - start) / 60
     plot = plot_history(result.history, os.path.join(workdir, "loss.png"),
                         title=f"MTP self-distillation, {os.path.basename(os.path.normpath(args.model))}")
-    final = result.history["evals"][-1] if result.history["evals"] else None
-    summary = {"model": args.model, "steps": result.history["step"][-1] if result.history["step"] else 0,
-               "training_tokens": result.history["tokens"][-1] if result.history["tokens"] else 0,
-               "train_minutes_this_session": round(minutes, 1), "heldout": final, "recipe": recipe,
-               "train_config": result.history["settings"]}
-    with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as handle:
-        json.dump(summary, handle, indent=2)
-    if final:
-        for k, acc in final["acceptance"].items():
-            print(f"held-out, {k} draft(s) per round: acceptance {acc['acceptance_rate']:.3f}, "
-                  f"{acc['tokens_per_round']:.2f} tokens per round, per depth "
-                  + " ".join(f"{x:.3f}" for x in acc["per_depth"]))
-    print(f"plot: {plot or 'skipped (matplotlib is not installed)'}; summary: {workdir}/summary.json")
-    if summary["steps"] < args.steps:
-        print(f"stopped at step {summary['steps']} of {args.steps}; rerun the same command to resume.")
+    final, steps = report_training(result, args, workdir, recipe=recipe, data_dir=data_dir, minutes=minutes,
+                                   max_drafts=depths, plot=plot)
+    if steps < args.steps:
+        print(f"stopped at step {steps} of {args.steps}; rerun the same command to resume.")
         return 0
     if args.asset:
         extra = {"base": args.model, "heldout": final, "recipe": recipe | {"model": args.model},
