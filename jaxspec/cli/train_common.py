@@ -172,6 +172,18 @@ def build_tapped_corpora(model, args: argparse.Namespace, layer_ids, data, dflas
     return train_corpus, heldout
 
 
+def cached_tapped_corpora(workdir: str, sources: list[str], recipe: dict[str, Any], data, dflash_data):
+    """(the data folder, (training, held-out) corpora) from the first of `workdir` and `sources` that caches a
+    corpus of exactly `recipe`; (WORKDIR's data folder, None) when none does."""
+    for folder in [workdir, *sources]:
+        data_dir = data_folder(folder, recipe)
+        cached = tuple(data.load(os.path.join(data_dir, split), recipe, kind=dflash_data.BlockCorpus)
+                       for split in ("train", "heldout"))
+        if None not in cached:
+            return data_dir, cached
+    return data_folder(workdir, recipe), None
+
+
 def tapped_corpora(model, args: argparse.Namespace, layer_ids, data_dir: str, recipe: dict[str, Any], cached,
                    data, dflash_data):
     """(training corpus, held-out corpus): `cached` where the data folder had them, else built by the target

@@ -35,7 +35,7 @@ import os
 import sys
 import time
 
-from .train_common import (add_data_flags, check_data_flags, data_folder, data_recipe, default_workdir,
+from .train_common import (add_data_flags, cached_tapped_corpora, check_data_flags, data_recipe, default_workdir,
                            estimate_tapped_run, print_timing, report_training, tapped_corpora, tapped_data_rates, timed)
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -119,10 +119,8 @@ def main(argv=None) -> int:
 
     # -- the plan, timed on this machine ----------------------------------------------------------------------
     recipe = data_recipe(args, model, target_layer_ids=list(layer_ids))
-    data_dir = data_folder(workdir, recipe)
-    cached = tuple(data.load(os.path.join(data_dir, split), recipe, kind=dflash_data.BlockCorpus)
-                   for split in ("train", "heldout"))
-    need_data = None in cached
+    data_dir, cached = cached_tapped_corpora(workdir, [], recipe, data, dflash_data)
+    need_data = cached is None
     rates = _calibrate(model, probe, args, need_data)
     estimate = estimate_tapped_run(args, rates, need_data)
     rows = args.train_prompts + args.stdlib_windows
@@ -137,8 +135,7 @@ def main(argv=None) -> int:
         return 0
 
     # -- data: the target runs once -----------------------------------------------------------------------------
-    train_corpus, heldout = tapped_corpora(model, args, layer_ids, data_dir, recipe, None if need_data else cached,
-                                           data, dflash_data)
+    train_corpus, heldout = tapped_corpora(model, args, layer_ids, data_dir, recipe, cached, data, dflash_data)
 
     # -- the drafter, training, outputs ------------------------------------------------------------------------
     mask = args.mask_token_id

@@ -37,7 +37,7 @@ import os
 import sys
 import time
 
-from .train_common import (add_data_flags, check_data_flags, data_folder, data_recipe, default_workdir,
+from .train_common import (add_data_flags, cached_tapped_corpora, check_data_flags, data_recipe, default_workdir,
                            estimate_tapped_run, print_timing, report_training, tapped_corpora, tapped_data_rates, timed,
                            workdir_path)
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     # -- the plan, timed on this machine ----------------------------------------------------------------------
     # The recipe is jaxspec-train-dflash's for the same layers, so a corpus it cached is this run's corpus.
     recipe = data_recipe(args, model, target_layer_ids=list(layer_ids))
-    data_dir, cached = _cached_corpus(workdir, _data_sources(args), recipe, data, dflash_data)
+    data_dir, cached = cached_tapped_corpora(workdir, _data_sources(args), recipe, data, dflash_data)
     need_data = cached is None
     rates = _calibrate(model, probe, args, need_data)
     estimate = estimate_tapped_run(args, rates, need_data)
@@ -177,17 +177,6 @@ def _data_sources(args) -> list[str]:
     default workdir for the model (not created when absent)."""
     return [args.data_from] if args.data_from else [workdir_path(args.model, "dflash")]
 
-
-def _cached_corpus(workdir: str, sources: list[str], recipe: dict, data, dflash_data):
-    """(the data folder, (training, held-out) corpora) from the first of `workdir` and `sources` that caches a
-    corpus of exactly `recipe`; (WORKDIR's data folder, None) when none does."""
-    for folder in [workdir, *sources]:
-        data_dir = data_folder(folder, recipe)
-        cached = tuple(data.load(os.path.join(data_dir, split), recipe, kind=dflash_data.BlockCorpus)
-                       for split in ("train", "heldout"))
-        if None not in cached:
-            return data_dir, cached
-    return data_folder(workdir, recipe), None
 
 
 def _calibrate(model, probe, args, need_data: bool) -> dict[str, float]:

@@ -459,20 +459,20 @@ def test_bad_arguments_are_named(target, corpus, vocab, tmp_path):
 def test_a_corpus_cached_by_another_trainer_is_reused(target, corpus, tmp_path):
     """The CLI reads a corpus of its exact recipe from its own workdir first, then from --data-from (the DFlash
     trainer's workdir by default), and otherwise names its own workdir's data folder to build into."""
-    from jaxspec.cli import train_eagle3 as cli
-    from jaxspec.cli.train_common import data_folder
+    from jaxspec.cli.train_common import cached_tapped_corpora, data_folder
 
     recipe = {"model": "tiny", "target_layer_ids": list(LAYERS), "seq_len": SEQ}
     other = tmp_path / "dflash-run"
     for split in ("train", "heldout"):
         data.save(corpus, os.path.join(data_folder(str(other), recipe), split), recipe)
     own = str(tmp_path / "eagle3-run")
-    folder, cached = cli._cached_corpus(own, [str(other)], recipe, data, dflash_data)
+    folder, cached = cached_tapped_corpora(own, [str(other)], recipe, data, dflash_data)
     assert folder == data_folder(str(other), recipe)
     np.testing.assert_array_equal(cached[0].features, corpus.features)
     assert tuple(cached[1].layer_ids) == LAYERS
     elsewhere = recipe | {"target_layer_ids": [0, 1, 2]}  # another recipe is another corpus
-    assert cli._cached_corpus(own, [str(other)], elsewhere, data, dflash_data) == (data_folder(own, elsewhere), None)
+    found = cached_tapped_corpora(own, [str(other)], elsewhere, data, dflash_data)
+    assert found == (data_folder(own, elsewhere), None)
 
 
 @pytest.mark.slow  # ~25 s: the script times every stage (compiling each) before it runs them
