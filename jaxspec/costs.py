@@ -106,7 +106,7 @@ def price_loop(call, prefill, rounds, target: Model, assistant: Model | None, ba
         return None
     widths = tuple(sorted({1} | set(spec.verify_widths)))
     drafts = _drafts_timed(spec.drafter)
-    prefix = _loop_key_prefix(spec, target, assistant, cost_batch(batch))
+    prefix = _loop_key_prefix(spec, target, assistant, cost_batch(batch), call.inputs.layer_stack is not None)
     keys = {f"{prefix}|verify|{w}": ("verify", w) for w in widths}
     keys |= {f"{prefix}|{part}": (part, 0) for part in ("draft", "round") if drafts}
     stored = _stored(keys, chosen == "remeasure", lambda missing: time_loop(call, prefill, rounds, widths, drafts,
@@ -235,17 +235,18 @@ def fit_drafting(verify_ms: dict[int, float], rounds: list[tuple[float, float]])
     return draft_ms, max(low_ms - low * draft_ms, 0.0)
 
 
-def _loop_key_prefix(spec, target: Model, assistant: Model | None, batch: int) -> str:
+def _loop_key_prefix(spec, target: Model, assistant: Model | None, batch: int, layers_looped: bool = False) -> str:
     """What a loop's round costs depend on: the machine and the target (`_key_prefix`), the assistant, the
     drafter's static settings (its simple fields: lengths, layers, widths, tree), sampling, how run-time branches
-    run (`inplace.MODE`), and the batch."""
+    run (`inplace.MODE`), whether wide forwards loop over the layers (jaxspec/layer_stack.py), and the batch."""
     drafter, schedule = spec.drafter, spec.drafter.schedule
     simple = (int, float, str, bool, tuple, TreeShape, type(None))
     settings = sorted((field.name, repr(getattr(drafter, field.name))) for field in dataclasses.fields(drafter)
                       if field.compare and isinstance(getattr(drafter, field.name), simple))
     assistant_key = None if assistant is None or assistant is target else _key_prefix(assistant, verifying=False)
     described = repr((type(drafter).__name__, settings, schedule.kind, schedule.widths, schedule.entries_per_draft,
-                      schedule.node_budget, spec.verify_widths, spec.do_sample, assistant_key, inplace.MODE))
+                      schedule.node_budget, spec.verify_widths, spec.do_sample, assistant_key, inplace.MODE)
+                     + (("layers looped",) if layers_looped else ()))
     package = os.path.dirname(__file__)
     code = _source_hash(package) + _source_hash(os.path.join(package, "strategies"))  # the loop's own code
     described = hashlib.sha256((described + code).encode()).hexdigest()[:16]

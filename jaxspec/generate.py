@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from . import distributed, loop
 from .costs import mode as step_cost_mode, price_loop
 from .head import verify_head
+from .layer_stack import layer_stack
 from .loading import Model
 from .output import FinalState, GenerateOutput, Timings, unpack
 from .prompts import PromptBatch, buffer_size, check_budget
@@ -243,7 +244,7 @@ def _lay_out(model: Model, assistant: Model | None, prompts: PromptBatch, drafte
     spec = loop.LoopSpec(target_graphdef, assistant_graphdef, drafter, settings.do_sample, settings.ngram_slots,
                          ensemble_weight, chunk, mesh, rules, bool(return_logits))
     inputs = loop.LoopInputs.for_drafter(jax.tree.map(jnp.asarray, settings.processing(model.config.vocab_size)),
-                                         drafter, verify_head(model, target_state, mesh))
+                                         drafter, verify_head(model, target_state, mesh), layer_stack(model, mesh))
     prefill_args = (
         target_state,
         assistant_state,

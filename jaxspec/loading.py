@@ -36,6 +36,8 @@ class Model:
     source: str = ""
     # (embedding it was made from, mesh, [D, V] copy): the CPU verify head of `jaxspec.head.verify_head`
     head_cache: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    # (layer weights it was made from, their stack): the CPU layer stack of `jaxspec.layer_stack.layer_stack`
+    layer_stack_cache: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def dtype(self):

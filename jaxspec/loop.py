@@ -74,6 +74,8 @@ class LoopInputs:
     processing: Processing  # sampling and logits-processing settings (jaxspec.settings)
     draft_inputs: dict[str, jax.Array]  # the drafter's run-time settings (`Drafter.runtime_inputs`)
     head: jax.Array | None  # [D, V] the target's head for verifying forwards, on CPU (jaxspec/head.py); else None
+    # The target's decoder layers stacked [L, ...], which its wide forwards loop over on CPU (jaxspec/layer_stack.py)
+    layer_stack: Any = None
     prices: Prices | None = None  # the adaptive schedule's prices (None: the drafter's schedule is not priced)
     # [] int32: no verify block narrower than this (1: the narrowest holding the round's drafts). Wider blocks
     # verify the same drafts, so the output is unchanged; jaxspec/costs.py times the loop's rounds at each width.
@@ -87,11 +89,12 @@ class LoopInputs:
         return dataclasses.replace(self, prices=prices, verify_floor=jnp.full_like(self.verify_floor, verify_floor))
 
     @staticmethod
-    def for_drafter(processing: Processing, drafter: Drafter, head) -> "LoopInputs":
+    def for_drafter(processing: Processing, drafter: Drafter, head, layer_stack=None) -> "LoopInputs":
         schedule = getattr(drafter, "schedule", None)
         prices = None if schedule is None else schedule.prices()
         return LoopInputs(processing=processing, draft_inputs=jax.tree.map(jnp.asarray, drafter.runtime_inputs()),
-                          head=head, prices=jax.tree.map(jnp.asarray, prices), verify_floor=jnp.ones((), jnp.int32))
+                          head=head, layer_stack=layer_stack, prices=jax.tree.map(jnp.asarray, prices),
+                          verify_floor=jnp.ones((), jnp.int32))
 
 
 @jax.tree_util.register_dataclass
@@ -207,6 +210,8 @@ def _with_prices(spec: LoopSpec, inputs: LoopInputs) -> LoopSpec:
 
 def _context(spec: LoopSpec, target_state, assistant_state, inputs: LoopInputs) -> Context:
     target = nnx.merge(spec.target_graphdef, target_state)
+    if inputs.layer_stack is not None:  # for this trace only: the merged module is the trace's own
+        target.layer_stack = inputs.layer_stack
     assistant = nnx.merge(spec.assistant_graphdef, assistant_state) if spec.assistant_graphdef else None
     return Context(target=target, assistant=assistant, processing=inputs.processing, do_sample=spec.do_sample,
                    ngram_slots=spec.ngram_slots, draft_inputs=inputs.draft_inputs, head=inputs.head)

@@ -36,6 +36,8 @@ class CausalLM(Protocol):
     embed: Any  # nnx.Param [V, D], the token embedding (jaxspec/head.py copies it as the tied head [D, V])
     # Families whose forward takes `tree=` also have a class attribute `tree_attention = True`, read before compiling
     # so that `tree=` on another family is refused by name up front (not a member here: most families lack it).
+    # Families with `loops_wide_forwards = True` (Llama) run forwards of two or more positions a row as a loop over
+    # `layer_stack`, an attribute the decode loop binds on a CPU (jaxspec/layer_stack.py); without one, unrolled.
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache,
                  head: jax.Array | None = None, tree: Any = None) -> tuple[jax.Array, jax.Array, Cache]:

@@ -49,7 +49,7 @@ def quantize(model: Model, mode: str = "int8") -> Model:
     for layer in copy.layers:
         _quantize_params(layer, LAYER_PROJECTIONS)
     quantized = dataclasses.replace(model, module=copy)
-    quantized.head_cache = None
+    quantized.head_cache = quantized.layer_stack_cache = None
     return quantized
 
 

@@ -3,8 +3,8 @@ it. Qwen3 is this block with an RMSNorm over each query and key head (`q_norm`, 
 head split and RoPE, and an explicit `head_dim` that need not be hidden_size / num_heads.
 
 Each layer keeps its own arrays and the forward pass is an unrolled Python loop over them (see `LlamaForCausalLM`
-for why not a scan over stacked weights); a contiguous range of layers (the early-exit drafter's first E) is a
-static range of that loop.
+for why not a scan over stacked weights, and where wide forwards loop instead); a contiguous range of layers (the
+early-exit drafter's first E) is a static range of that loop.
 """
 
 from __future__ import annotations
@@ -238,10 +238,17 @@ class LlamaForCausalLM(nnx.Module):
 
     Each layer keeps its own arrays and the layer loop is unrolled. Decoding is memory-bound, and XLA:CPU feeds a
     matmul from a slice of stacked weights (`lax.scan` over a layer axis) by copying that slice first, so a scan
-    reads every weight more than once per step (see docs/design.md, 'Architecture and the one loop').
+    reads every weight more than once per step (see docs/design.md, 'Architecture and the one loop'). Forwards of
+    two or more positions a row, which pay little for that copy, loop over `layer_stack` where the decode loop
+    binds one (jaxspec/layer_stack.py): one layer to compile instead of L.
     """
 
     tree_attention = True  # verifies tree-shaped blocks (`tree=`; jaxspec/tree.py)
+    loops_wide_forwards = True  # runs its layers as a loop over `layer_stack` where one is bound
+    # Every decoder layer's params stacked [L, ...], bound by the decode loop for one trace on a CPU
+    # (jaxspec/layer_stack.py): forwards of two or more positions a row then loop over the layers instead of
+    # unrolling them, which compiles one layer instead of L.
+    layer_stack: Any = None
 
     def __init__(self, cfg: LlamaConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs | None = None):
         self.cfg = cfg
@@ -269,6 +276,9 @@ class LlamaForCausalLM(nnx.Module):
         """Run decoder layers [start, stop) on x: [B, T, D], writing their cache entries at `positions`; for a
         tree-shaped block (`tree`), at its slots, with `positions` the entries' rope positions."""
         stop = self.cfg.num_layers if stop is None else stop
+        windows = {self.cfg.window(index) for index in range(start, stop)}
+        if self.layer_stack is not None and x.shape[1] > 1 and len(windows) == 1:
+            return _looped_layers(self.cfg, self.layer_stack, x, positions, cache, start, stop, windows.pop(), tree)
         for index in range(start, stop):
             p = self.layers[index].params()
             x, cache = _layer_call(self.cfg, p, x, positions, cache, index, window=self.cfg.window(index), tree=tree)
@@ -375,6 +385,21 @@ def _layer_call(cfg: LlamaConfig, p, x, positions, cache: KVCache, index, first:
     it again (the layer number becomes a constant), so the compiled step is the unrolled one.
     """
     return _decoder_layer(cfg, p, x, positions, cache, index, cfg.inv_freq(), first=first, window=window, tree=tree)
+
+
+def _looped_layers(cfg: LlamaConfig, stack, x, positions, cache: KVCache, start: int, stop: int,
+                   window: int | None, tree: TreeBlock | None) -> tuple[jax.Array, KVCache]:
+    """Layers [start, stop) as one loop: layer `index` reads its params from `stack` (a
+    `jaxspec.layer_stack.LayerStack`) at `index`. The whole stack is indexed in the loop, not a [start, stop) slice
+    of it, which would copy those layers' weights in every forward (as models/moe.py `_scan`)."""
+    inv_freq = cfg.inv_freq()
+
+    def layer(index, carry):
+        x, cache = carry
+        p = stack.layer(index)
+        return _decoder_layer(cfg, p, x, positions, cache, index, inv_freq, window=window, tree=tree)
+
+    return jax.lax.fori_loop(start, stop, layer, (x, cache))
 
 
 def _decoder_layer(cfg: LlamaConfig, p, x, positions, cache: KVCache, index, inv_freq, first: int = 0,

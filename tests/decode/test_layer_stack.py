@@ -1,0 +1,165 @@
+"""The CPU layer stack (jaxspec/layer_stack.py): forwards of two or more positions a row loop over a stacked copy of
+the decoder layers instead of unrolling them. They compute what the unrolled forward does, the compiled loop holds one
+layer for its wide blocks, the copy follows the model's weights, and the setting is checked before anything compiles."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+import jaxspec
+from jaxspec import layer_stack as stacks
+from jaxspec import costs, loop
+from jaxspec.strategies.base import run_tapped_layers
+from tests.fixtures import hf_models
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6, 7], [3, 4, 5], [20, 21, 22, 23, 24, 25, 20, 21, 22]]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """Qwen3's q/k-norm layers, six of them, with a tied head."""
+    folder = hf_models.save_tiny("qwen3", tmp_path_factory.mktemp("qwen3"), seed=4, num_hidden_layers=6,
+                                 tie_word_embeddings=True)
+    return jaxspec.load(folder)
+
+
+def _forward(model, stack, tokens, positions, segments):
+    """logits of the whole forward and the layers run in `segments` (tapped as the block drafters tap them),
+    with `stack` bound as the decode loop binds it, or unrolled (stack None)."""
+    graphdef, state = nnx.split(model.module)
+
+    @jax.jit
+    def run(state, stack, tokens, positions):
+        module = nnx.merge(graphdef, state)
+        module.layer_stack = stack
+        cache = module.init_cache(tokens.shape[0], 32)
+        logits, _, cache = module(tokens, positions, cache)
+        x, _, taps = run_tapped_layers(module, module.embed_tokens(tokens), positions,
+                                       module.init_cache(tokens.shape[0], 32), segments)
+        return logits, cache, x, taps
+
+    return run(state, stack, tokens, positions)
+
+
+@pytest.mark.parametrize("width", [1, 2, 5])
+def test_looped_layers_compute_the_unrolled_forward(qwen3, width):
+    stack = stacks.layer_stack(qwen3, None)
+    assert stack is not None and {buffer.shape[0] for buffer in stack.buffers} == {6}
+    # A fused group's members (q, k and v; gate and up) share one buffer in the stack, as in each layer.
+    layer = jax.tree.leaves(qwen3.module.layers[0].params())
+    assert len(stack.buffers) == len({id(leaf) for leaf in layer}) < len(layer)
+    tokens = jnp.asarray(np.random.default_rng(width).integers(0, 100, (2, width)), jnp.int32)
+    positions = jnp.asarray([[3], [7]]) + jnp.arange(width)
+    looped = _forward(qwen3, stack, tokens, positions, (1, 3))
+    unrolled = _forward(qwen3, None, tokens, positions, (1, 3))
+    for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(unrolled)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+
+
+def _rounds_fusions(monkeypatch, model, **strategy) -> tuple[int, np.ndarray]:
+    """(fusions in the compiled round loop, the tokens) of a fresh compile of `generate(model, ...)`."""
+    compiled = []
+    compile_lowered = jax.stages.Lowered.compile
+
+    def recording_compile(self, *args, **kwargs):
+        executable = compile_lowered(self, *args, **kwargs)
+        compiled.append(executable.as_text())
+        return executable
+
+    with monkeypatch.context() as patch:
+        patch.setattr(jax.stages.Lowered, "compile", recording_compile)
+        loop._compiled.clear()
+        out = jaxspec.generate(model, PROMPTS, max_new_tokens=12, **strategy)
+    rounds = [text for text in compiled if "while" in text and "jit__rounds" in text]
+    assert len(rounds) == 1
+    return len(re.findall(r"^  %\S+ = \S+ fusion\(", rounds[0], re.MULTILINE)), out.sequences
+
+
+@pytest.mark.usefixtures("default_verify_widths")
+def test_wide_blocks_compile_one_layer_and_decode_the_same_tokens(monkeypatch, tmp_path):
+    folder = hf_models.save_tiny("llama", tmp_path / "deep", seed=2, num_hidden_layers=8)
+    model = jaxspec.load(folder)
+    strategy = dict(prompt_lookup_num_tokens=4)  # verify widths 1, 2, 4 and 5: four forwards unrolled before
+    monkeypatch.setenv("JAXSPEC_LAYER_STACK", "off")
+    unrolled, expected = _rounds_fusions(monkeypatch, model, **strategy)
+    monkeypatch.setenv("JAXSPEC_LAYER_STACK", "auto")
+    looped, tokens = _rounds_fusions(monkeypatch, model, **strategy)
+    np.testing.assert_array_equal(tokens, expected)
+    np.testing.assert_array_equal(tokens, jaxspec.generate(model, PROMPTS, max_new_tokens=12).sequences)
+    # Eight layers in each of four forwards before; eight in the one-token forward and one in each wide one now.
+    assert looped < 0.5 * unrolled, (looped, unrolled)
+
+
+def test_wide_blocks_read_the_stack_and_a_replaced_weight_makes_a_new_one(target):
+    plain = jaxspec.generate(target, PROMPTS, max_new_tokens=16).sequences
+    assert np.array_equal(jaxspec.generate(target, PROMPTS, max_new_tokens=16, prompt_lookup_num_tokens=3).sequences,
+                          plain)
+    sources, stack = target.layer_stack_cache
+    # Verify blocks read the copy: scaled down, it changes what they commit.
+    target.layer_stack_cache = (sources, jax.tree.map(lambda leaf: 0.1 * leaf, stack))
+    try:
+        poisoned = jaxspec.generate(target, PROMPTS, max_new_tokens=16, prompt_lookup_num_tokens=3).sequences
+    finally:
+        target.layer_stack_cache = (sources, stack)
+    assert not np.array_equal(poisoned, plain)
+    # A weight replaced in the module (as training or nnx.update does) is followed: the next call stacks again.
+    layer = target.module.layers[1]
+    name = next(name for name, value in vars(layer).items() if isinstance(value, nnx.Param))
+    original = getattr(layer, name)[...]
+    getattr(layer, name).set_value(-original)
+    try:
+        changed = jaxspec.generate(target, PROMPTS, max_new_tokens=16).sequences
+        looped = jaxspec.generate(target, PROMPTS, max_new_tokens=16, prompt_lookup_num_tokens=3).sequences
+        assert target.layer_stack_cache[1] is not stack
+    finally:
+        getattr(layer, name).set_value(original)
+    assert not np.array_equal(changed, plain)
+    np.testing.assert_array_equal(looped, changed)
+
+
+def test_who_gets_a_stack(monkeypatch, target, tmp_path):
+    assert stacks.layer_stack(target, None) is not None  # a tiny CPU Llama, under the size limit
+    assert stacks.layer_stack(target, None) is stacks.layer_stack(target, None)  # made once, kept on the model
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    assert stacks.layer_stack(target, mesh) is None  # sharded calls keep their layers unrolled
+    monkeypatch.setattr(stacks, "STACK_MAX_BYTES", 0)
+    assert stacks.layer_stack(target, None) is None  # above the limit
+    monkeypatch.setenv("JAXSPEC_LAYER_STACK", "on")
+    assert stacks.layer_stack(target, None) is not None  # any size, asked for
+    monkeypatch.setenv("JAXSPEC_LAYER_STACK", "off")
+    assert stacks.layer_stack(target, None) is None
+    monkeypatch.delenv("JAXSPEC_LAYER_STACK")
+    gemma = jaxspec.load(hf_models.save_tiny_gemma("gemma3_text", tmp_path / "gemma"))
+    assert stacks.layer_stack(gemma, None) is None  # no looped forward in that family yet
+
+
+def test_a_misspelt_setting_is_named_before_anything_compiles(monkeypatch, target):
+    monkeypatch.setenv("JAXSPEC_LAYER_STACK", "yes")
+    traced = loop.trace_count()
+    with pytest.raises(ValueError, match="JAXSPEC_LAYER_STACK='yes' is not one of auto, on, off"):
+        jaxspec.generate(target, PROMPTS, max_new_tokens=4, prompt_lookup_num_tokens=3)
+    assert loop.trace_count() == traced
+
+
+def test_each_setting_measures_its_own_step_costs(monkeypatch, target, tmp_path):
+    """A looped loop's verify blocks cost what they cost: prices stored for the unrolled loop must not price it."""
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("JAXSPEC_STEP_COSTS", "measure")
+    timed = []
+
+    def recorded_time_loop(call, prefill, rounds, widths, drafts, prefix):
+        timed.append(prefix)
+        return {f"{prefix}|verify|{width}": float(width) for width in widths}
+
+    monkeypatch.setattr(costs, "time_loop", recorded_time_loop)
+    for setting in ("off", "auto", "off"):
+        monkeypatch.setenv("JAXSPEC_LAYER_STACK", setting)
+        jaxspec.generate(target, PROMPTS, max_new_tokens=4, prompt_lookup_num_tokens=3)
+    assert len(timed) == 2 and timed[0] != timed[1]  # the third call read the first one's prices
