@@ -14,8 +14,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import jaxspec
-from jaxspec import layer_stack as stacks
 from jaxspec import costs, loop
+from jaxspec import layer_stack as stacks
 from jaxspec.strategies.base import run_tapped_layers
 from tests.fixtures import hf_models
 
