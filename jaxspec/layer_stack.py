@@ -74,11 +74,15 @@ def _sharing(leaves: list[jax.Array]) -> tuple[int, ...]:
     return tuple(first.setdefault(id(leaf), i) for i, leaf in enumerate(leaves))
 
 
-def _build(layers: list[dict]) -> LayerStack:
+def _build(layers: list[dict]) -> LayerStack | None:
+    """The stack, or None where the layers' params are not laid out alike (a fused group's member replaced in one
+    layer has its own array there, of another shape): those layers cannot be stacked, and stay unrolled."""
     flat = [jax.tree.flatten(params) for params in layers]
     treedef, sharing = flat[0][1], _sharing(flat[0][0])
-    if any(other != treedef or _sharing(leaves) != sharing for leaves, other in flat):
-        sharing = tuple(range(len(sharing)))  # layers laid out differently: every leaf its own buffer
+    if any(other != treedef for _, other in flat):
+        return None
+    if any(_sharing(leaves) != sharing for leaves, _ in flat):
+        sharing = tuple(range(len(sharing)))  # buffers shared differently from layer to layer: each leaf its own
     distinct = sorted(set(sharing))
     buffers = _stack([[leaves[i] for i in distinct] for leaves, _ in flat])
     # Committed, as the loop's other inputs are (jaxspec/generate.py `_committed`): a converted model's arrays are
@@ -108,5 +112,5 @@ def layer_stack(model: Model, mesh: Mesh | None) -> LayerStack | None:
         return None
     cached = model.layer_stack_cache
     if cached is None or len(cached[0]) != len(sources) or any(a is not b for a, b in zip(cached[0], sources)):
-        model.layer_stack_cache = (sources, _build(layers))
+        model.layer_stack_cache = (sources, _build(layers))  # None kept too: such layers are not stacked again
     return model.layer_stack_cache[1]

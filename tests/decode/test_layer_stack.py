@@ -124,6 +124,17 @@ def test_wide_blocks_read_the_stack_and_a_replaced_weight_makes_a_new_one(target
     np.testing.assert_array_equal(looped, changed)
 
 
+def test_layers_laid_out_differently_stay_unrolled(tmp_path):
+    """A fused group's member replaced in one layer leaves its group there (models/int8.py `TransposedWeight`): that
+    layer's params no longer stack with the others', so the call decodes unrolled instead of failing."""
+    model = jaxspec.load(hf_models.save_tiny("llama", tmp_path / "llama", seed=5))
+    weight = model.module.layers[1].wq[...]
+    model.module.layers[1].wq[...] = 0.5 * np.asarray(weight.logical())
+    assert stacks.layer_stack(model, None) is None
+    looped = jaxspec.generate(model, PROMPTS, max_new_tokens=12, prompt_lookup_num_tokens=3).sequences
+    np.testing.assert_array_equal(looped, jaxspec.generate(model, PROMPTS, max_new_tokens=12).sequences)
+
+
 def test_who_gets_a_stack(monkeypatch, target, tmp_path):
     assert stacks.layer_stack(target, None) is not None  # a tiny CPU Llama, under the size limit
     assert stacks.layer_stack(target, None) is stacks.layer_stack(target, None)  # made once, kept on the model
