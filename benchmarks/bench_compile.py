@@ -2,9 +2,10 @@
 checkout beside another commit, in one run.
 
     python benchmarks/bench_compile.py [--model smollm2-135m] [--strategies prompt_lookup,mtp,dflash,eagle3]
-        [--baseline HEAD] [--passes 1] [--results benchmarks/results]
+        [--baseline HEAD] [--passes 1] [--no-chat] [--results benchmarks/results]
 
-**As a user meets it** (`cli` table): `scripts/generate.py --chat --max-new-tokens 16` in fresh processes that share
+**As a user meets it** (`cli` table): `scripts/generate.py --chat --max-new-tokens 16` (without `--chat` for a base
+model that has no chat template, such as gemma3-270m: `--no-chat`) in fresh processes that share
 one fresh compilation cache, one fresh step-cost file and one fresh conversion cache, in the order a new user goes:
 the first strategy on one prompt (`first run`: the model is converted, which the CLI counts as load time, everything
 compiles, step costs are measured), the same strategy on a prompt of another length (`new prompt`: the executables
@@ -121,7 +122,7 @@ def measure_phases(model_name: str, strategy: str) -> dict:
 # The CLI as a user runs it
 
 
-def cli_runs(pythonpath: str, model: str, strategies: list[str], tmp: str) -> list[dict]:
+def cli_runs(pythonpath: str, model: str, strategies: list[str], tmp: str, chat: bool = True) -> list[dict]:
     """The CLI's compile seconds for the user's sequence of commands, in fresh caches under `tmp`."""
     cache = os.path.join(tmp, "jaxspec-cache")  # empty: the first run converts the model, as a new user's does
     os.makedirs(cache)
@@ -133,8 +134,9 @@ def cli_runs(pythonpath: str, model: str, strategies: list[str], tmp: str) -> li
         for prompt_index in (0, 1) if index % 2 == 0 else (1, 0):
             what = ("first run" if index == 0 else "new strategy") if not runs or runs[-1]["strategy"] != strategy \
                 else "new prompt"
-            command = [sys.executable, os.path.join(REPO, "scripts", "generate.py"), "--model", model, "--chat",
-                       "--strategy", strategy, "--max-new-tokens", "16", "--prompt", PROMPTS[prompt_index]]
+            command = [sys.executable, os.path.join(REPO, "scripts", "generate.py"), "--model", model,
+                       *(["--chat"] if chat else []), "--strategy", strategy, "--max-new-tokens", "16",
+                       "--prompt", PROMPTS[prompt_index]]
             started = time.perf_counter()
             done = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True, check=False)
             wall = time.perf_counter() - started
@@ -183,6 +185,8 @@ def main(argv=None) -> None:
     p.add_argument("--strategies", default="prompt_lookup,mtp")
     p.add_argument("--baseline", default=None, help="a git ref whose code to measure beside this checkout's")
     p.add_argument("--passes", type=int, default=1, help="alternating passes over the sides")
+    p.add_argument("--no-chat", dest="chat", action="store_false",
+                   help="prompts as plain text: for a base model without a chat template (gemma3-270m)")
     p.add_argument("--side", default=None, help=argparse.SUPPRESS)  # internal: one strategy's phases as JSON
     add_results_argument(p)
     args = p.parse_args(argv)
@@ -199,8 +203,8 @@ def main(argv=None) -> None:
         phases = {side: {s: [] for s in strategies} for side in sides}
         for n in range(args.passes):
             for side, path in sides.items():
-                cli[side].append(cli_runs(path, args.model, strategies, os.path.join(tmp, f"cli-{n}-{len(cli[side])}-"
-                                                                                      f"{side[:4]}")))
+                folder = os.path.join(tmp, f"cli-{n}-{len(cli[side])}-{side[:4]}")
+                cli[side].append(cli_runs(path, args.model, strategies, folder, args.chat))
                 for strategy in strategies:
                     phases[side][strategy].append(run_side(path, args, strategy))
 
@@ -241,7 +245,8 @@ def main(argv=None) -> None:
         if len(tokens) > 1:
             raise SystemExit(f"{strategy}: the sides wrote different tokens")
     record.write(rows, [args.model], title="compile seconds as a user meets them, and their phases",
-                 settings={"strategies": strategies, "passes": args.passes, "baseline": args.baseline})
+                 settings={"strategies": strategies, "passes": args.passes, "baseline": args.baseline,
+                           "chat": args.chat})
 
 
 if __name__ == "__main__":

@@ -8,14 +8,16 @@ looped forward reads every weight twice. A one-token forward is memory-bound and
 plain decoding steps stay unrolled; a block of two or more tokens a row is mostly arithmetic, and pays little for
 it. Figures: docs/design.md, 'Compile time'.
 
-So on a CPU, `generate` hands the loop every decoder layer's params stacked on a leading axis (`layer_stack`), and
-the target's forwards of two or more positions a row run their layers as a loop over it (`models/llama.py`,
-`run_layers`). The stack is a second copy of the layer weights, made once per model and kept, like the CPU head
-copy (jaxspec/head.py); it is made only where that copy is small (`STACK_MAX_BYTES`): a small model is where compile
-time is most of a short call. Accelerators, sharded models and families without a looped forward get none.
+So on a CPU, `generate` hands the loop every decoder layer's params stacked on a leading axis (`layer_stack`), and the
+target's forwards of two or more positions a row run their layers as a loop over it (`run_layers` of models/llama.py,
+and of models/gemma.py for Gemma 2 and 3, which loop over whole periods of their layer types). The stack is a second
+copy of the layer weights, made once per model and kept, like the CPU head copy (jaxspec/head.py); it is made only where
+that copy is small (`STACK_MAX_BYTES`): a small model is where compile time is most of a short call. Accelerators,
+sharded models and families without a looped forward get none, and Gemma gets one only when asked (`on`): looped, its
+wide forwards cost 17-31% more on this CPU, where the Llama family's cost 0-11% more.
 
-`JAXSPEC_LAYER_STACK` chooses: `auto` (the default, as above), `on` (a CPU model of any size) or `off` (every forward
-unrolled, as before 2026-12-06: the fastest wide blocks where memory or steps matter more than compiles).
+`JAXSPEC_LAYER_STACK` chooses: `auto` (the default, as above), `on` (a CPU model of any size and family) or `off` (every
+forward unrolled, as before 2026-12-06: the fastest wide blocks where memory or steps matter more than compiles).
 """
 
 from __future__ import annotations
@@ -76,10 +78,12 @@ def _sharing(leaves: list[jax.Array]) -> tuple[int, ...]:
 
 def _build(layers: list[dict]) -> LayerStack | None:
     """The stack, or None where the layers' params are not laid out alike (a fused group's member replaced in one
-    layer has its own array there, of another shape): those layers cannot be stacked, and stay unrolled."""
+    layer has its own array there, of another shape; a Gemma whose global layers have wider heads than its sliding
+    ones): those layers cannot be stacked, and stay unrolled."""
     flat = [jax.tree.flatten(params) for params in layers]
     treedef, sharing = flat[0][1], _sharing(flat[0][0])
-    if any(other != treedef for _, other in flat):
+    shapes = [(leaf.shape, leaf.dtype) for leaf in flat[0][0]]
+    if any(other != treedef or [(leaf.shape, leaf.dtype) for leaf in leaves] != shapes for leaves, other in flat):
         return None
     if any(_sharing(leaves) != sharing for leaves, _ in flat):
         sharing = tuple(range(len(sharing)))  # buffers shared differently from layer to layer: each leaf its own
@@ -101,10 +105,14 @@ def _fits(leaves: list[jax.Array]) -> bool:
 
 def layer_stack(model: Model, mesh: Mesh | None) -> LayerStack | None:
     """The model's decoder layers stacked (`LayerStack`), or None where forwards stay unrolled: with
-    `JAXSPEC_LAYER_STACK=off`, on a mesh, for families without a looped forward, and where the layers do not `_fit`.
+    `JAXSPEC_LAYER_STACK=off`, on a mesh, for families without a looped forward, with `auto` for families whose
+    looped forward is not `stacked_by_default` (Gemma), and where the layers do not `_fit`.
     Cached on `model` until any of its layer weights is replaced: a stale copy would verify with other weights than
     the plain steps decode with."""
-    if mode() == "off" or mesh is not None or not getattr(type(model.module), "loops_wide_forwards", False):
+    chosen = mode()
+    if chosen == "off" or mesh is not None or not getattr(model.module, "loops_wide_forwards", False):
+        return None
+    if chosen == "auto" and not getattr(model.module, "stacked_by_default", False):
         return None
     layers = _layer_params(model)
     sources = jax.tree.leaves(layers)

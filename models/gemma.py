@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from typing import Any
 
@@ -208,6 +209,27 @@ class GemmaConfig:
 
     def mlp_width(self, layer: int) -> int:
         return self.intermediate_size * (2 if self.double_wide_mlp and not self.computes_kv(layer) else 1)
+
+    @property
+    def layer_period(self) -> int:
+        """The shortest P for which layer i has layer i - P's type, for every i >= P: 2 for Gemma 2's alternating
+        layers, 6 for Gemma 3's five sliding layers to one global."""
+        types = self.layer_types
+        return next(p for p in range(1, len(types) + 1) if types[p:] == types[:len(types) - p])
+
+    @property
+    def loops_layers(self) -> bool:
+        """Whether wide forwards may loop over whole periods of layers (`_looped_periods`): every layer projects and
+        owns its keys and values, and none reads a per-layer input. Gemma 2 and 3; not Gemma 4's PLE, KV-sharing or
+        k_eq_v layers, which differ from period to period."""
+        return not (self.per_layer_input_size or self.num_kv_shared_layers or self.k_eq_v)
+
+    def whole_periods(self, start: int, stop: int) -> tuple[int, int]:
+        """[first, last): the layers of [start, stop) that make up whole periods (`layer_period`), aligned at layer
+        0; first == last when none do."""
+        period = self.layer_period
+        first = min(-(-start // period) * period, stop)
+        return first, first + (stop - first) // period * period
 
     def _check_kv_sharing(self) -> None:
         if not 0 <= self.num_kv_shared_layers < self.num_layers:
@@ -474,10 +496,18 @@ class GemmaForCausalLM(nnx.Module):
 
     `hidden` is the final-normed last hidden state. Logits are soft-capped when the config says so (Gemma 2), in
     `logits()`, so every sampler and verifier sees the capped distribution. The layer loop is unrolled over
-    per-layer arrays, as in `LlamaForCausalLM`.
+    per-layer arrays, as in `LlamaForCausalLM`, except in forwards of two or more positions a row where the decode
+    loop binds a `layer_stack` (jaxspec/layer_stack.py, with `JAXSPEC_LAYER_STACK=on`): Gemma 2 and 3 then loop over
+    whole periods of their layer types (`_looped_periods`), one layer of each type to compile instead of every layer.
     """
 
     tree_attention = True  # verifies tree-shaped blocks (`tree=`; jaxspec/tree.py)
+    # Every decoder layer's params stacked [L, ...], bound by the decode loop for one trace on a CPU
+    # (jaxspec/layer_stack.py), which wide forwards loop over where the config allows (`GemmaConfig.loops_layers`).
+    layer_stack: Any = None
+    # Only JAXSPEC_LAYER_STACK=on binds one: looped, Gemma 3 270M's wide forwards cost 17-31% more on a CPU, where
+    # the Llama family's cost 0-11% more (docs/design.md, 'Compile time').
+    stacked_by_default = False
 
     def __init__(self, cfg: GemmaConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs | None = None):
         self.cfg = cfg
@@ -486,6 +516,11 @@ class GemmaForCausalLM(nnx.Module):
         for name, (shape, axes) in top_param_specs(cfg).items():
             setattr(self, name, nnx.Param(_init_value(name, shape, cfg, dtype, rngs), logical_axes=axes))
         self.layers = nnx.List([GemmaDecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
+
+    @property
+    def loops_wide_forwards(self) -> bool:
+        """Whether this model's wide forwards loop over a bound `layer_stack` (jaxspec/layer_stack.py asks)."""
+        return self.cfg.loops_layers
 
     # -- pieces, so drafters can run part of the network ---------------------------------------------------------
 
@@ -528,11 +563,22 @@ class GemmaForCausalLM(nnx.Module):
         slots = positions if tree is None else tree.slots()  # where the entries are written: a tree's own slots
         x, per_layer, cache = self._split_per_layer_inputs(x, slots, cache, start, stop)
         stacks = {SLIDING: cache.sliding, FULL: cache.full}
-        for index in range(start, stop):
-            p = self.layers[index].params()
-            layer_input = None if per_layer is None else per_layer[..., index, :]
-            x, stacks = _layer_call(cfg, p, x, layer_input, positions, stacks, cfg.cache_slot(index),
-                                    cfg.layer_types[index], cfg.computes_kv(index), cfg.has_value_proj(index), tree)
+
+        def unrolled(x, stacks, layers: range):
+            for index in layers:
+                p = self.layers[index].params()
+                layer_input = None if per_layer is None else per_layer[..., index, :]
+                x, stacks = _layer_call(cfg, p, x, layer_input, positions, stacks, cfg.cache_slot(index),
+                                        cfg.layer_types[index], cfg.computes_kv(index), cfg.has_value_proj(index),
+                                        tree)
+            return x, stacks
+
+        looped = self.layer_stack is not None and x.shape[1] > 1 and cfg.loops_layers
+        first, last = cfg.whole_periods(start, stop) if looped else (stop, stop)
+        x, stacks = unrolled(x, stacks, range(start, first))
+        if last > first:
+            x, stacks = _looped_periods(cfg, self.layer_stack, x, positions, stacks, first, last, tree)
+        x, stacks = unrolled(x, stacks, range(last, stop))
         return x, dataclasses.replace(cache, sliding=stacks[SLIDING], full=stacks[FULL])
 
     def _split_per_layer_inputs(self, x, slots, cache: GemmaCache, start: int, stop: int):
@@ -613,6 +659,37 @@ def _layer_call(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, slot
     inv_freq = kind.rope.inv_freq(kind.head_dim)
     return _decoder_layer(cfg, p, x, per_layer_input, positions, stacks, slot, layer_type, computes_kv, value_proj,
                           inv_freq, tree)
+
+
+def _looped_periods(cfg: GemmaConfig, stack, x, positions, stacks, first: int, last: int, tree=None):
+    """Layers [first, last), whole periods of `cfg.layer_types` (`GemmaConfig.whole_periods`), as one loop over the
+    periods; layer i reads its params from `stack` (a `jaxspec.layer_stack.LayerStack`) at i. Inside a period each
+    run of layers of one type is a loop of its own (Gemma 3's five sliding layers), so a forward compiles one layer
+    of each type. A layer's cache slot in its type's stack counts the earlier layers of that type: the period's
+    count of them for each period before, plus those before it in its own period. -> (x, stacks)"""
+    period = cfg.layer_period
+    types = cfg.layer_types[:period]
+    per_period = {layer_type: types.count(layer_type) for layer_type in LAYER_TYPES}
+
+    def one_period(index, carry):
+        offset = 0
+        for layer_type, run in itertools.groupby(types):
+            count = len(list(run))
+            kind = cfg.sliding if layer_type == SLIDING else cfg.full
+            inv_freq = kind.rope.inv_freq(kind.head_dim)
+            layer0 = index * period + offset
+            slot0 = index * per_period[layer_type] + cfg.cache_slot(offset)
+
+            def layer(i, carry, layer_type=layer_type, layer0=layer0, slot0=slot0, inv_freq=inv_freq):
+                x, stacks = carry
+                return _decoder_layer(cfg, stack.layer(layer0 + i), x, None, positions, stacks, slot0 + i,
+                                      layer_type, True, True, inv_freq, tree)
+
+            carry = layer(0, carry) if count == 1 else jax.lax.fori_loop(0, count, layer, carry)
+            offset += count
+        return carry
+
+    return jax.lax.fori_loop(first // period, last // period, one_period, (x, stacks))
 
 
 def _decoder_layer(cfg: GemmaConfig, p, x, per_layer_input, positions, stacks, slot, layer_type: str,

@@ -63,6 +63,29 @@ def test_looped_layers_compute_the_unrolled_forward(qwen3, width):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("family, types", [
+    ("gemma3_text", ["sliding_attention"] * 2 + ["full_attention"]),  # period 3: a run of two, then one
+    ("gemma2", ["sliding_attention", "full_attention"]),  # period 2
+])
+def test_looped_gemma_periods_compute_the_unrolled_forward(monkeypatch, tmp_path, family, types):
+    """Seven layers: whole periods loop, the layers past the last whole period stay unrolled, and a tapped segment
+    that starts or stops inside a period runs its partial periods unrolled."""
+    monkeypatch.setenv("JAXSPEC_LAYER_STACK", "on")  # `auto` keeps Gemma unrolled
+    folder = hf_models.save_tiny_gemma(family, tmp_path / family, seed=3, num_hidden_layers=7,
+                                       layer_types=(types * 7)[:7])
+    model = jaxspec.load(folder)
+    assert model.module.cfg.layer_period == len(types)
+    stack = stacks.layer_stack(model, None)
+    assert stack is not None and {buffer.shape[0] for buffer in stack.buffers} == {7}
+    for width in (1, 2, 5):
+        tokens = jnp.asarray(np.random.default_rng(width).integers(0, 100, (2, width)), jnp.int32)
+        positions = jnp.asarray([[3], [6]]) + jnp.arange(width)
+        looped = _forward(model, stack, tokens, positions, (1, 5))
+        unrolled = _forward(model, None, tokens, positions, (1, 5))
+        for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(unrolled)):  # float32 summed in another order
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
 def _rounds_fusions(monkeypatch, model, **strategy) -> tuple[int, np.ndarray]:
     """(fusions in the compiled round loop, the tokens) of a fresh compile of `generate(model, ...)`."""
     compiled = []
@@ -95,6 +118,23 @@ def test_wide_blocks_compile_one_layer_and_decode_the_same_tokens(monkeypatch, t
     np.testing.assert_array_equal(tokens, jaxspec.generate(model, PROMPTS, max_new_tokens=12).sequences)
     # Eight layers in each of four forwards before; eight in the one-token forward and one in each wide one now.
     assert looped < 0.5 * unrolled, (looped, unrolled)
+
+
+@pytest.mark.usefixtures("default_verify_widths")
+def test_gemma_asked_to_loop_compiles_one_layer_of_each_type_and_decodes_the_same_tokens(monkeypatch, tmp_path):
+    types = ["sliding_attention"] * 2 + ["full_attention"]
+    folder = hf_models.save_tiny_gemma("gemma3_text", tmp_path / "gemma3", seed=2, num_hidden_layers=9,
+                                       layer_types=types * 3)
+    model = jaxspec.load(folder)
+    strategy = dict(prompt_lookup_num_tokens=4)
+    unrolled, expected = _rounds_fusions(monkeypatch, model, **strategy)  # `auto`: Gemma stays unrolled
+    monkeypatch.setenv("JAXSPEC_LAYER_STACK", "on")
+    looped, tokens = _rounds_fusions(monkeypatch, model, **strategy)
+    np.testing.assert_array_equal(tokens, expected)
+    np.testing.assert_array_equal(tokens, jaxspec.generate(model, PROMPTS, max_new_tokens=12).sequences)
+    assert looped < 0.6 * unrolled, (looped, unrolled)
+    trees = jaxspec.generate(model, PROMPTS, max_new_tokens=12, prompt_lookup_num_tokens=4, tree=(4, 4)).sequences
+    np.testing.assert_array_equal(trees, expected)  # tree blocks run the looped periods too
 
 
 def test_wide_blocks_read_the_stack_and_a_replaced_weight_makes_a_new_one(target):
@@ -140,15 +180,26 @@ def test_who_gets_a_stack(monkeypatch, target, tmp_path):
     assert stacks.layer_stack(target, None) is stacks.layer_stack(target, None)  # made once, kept on the model
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     assert stacks.layer_stack(target, mesh) is None  # sharded calls keep their layers unrolled
+    gemma3 = jaxspec.load(hf_models.save_tiny_gemma("gemma3_text", tmp_path / "gemma3"))
+    assert stacks.layer_stack(gemma3, None) is None  # looped, its wide forwards cost more: only when asked
+    gemma4 = jaxspec.load(hf_models.save_tiny_gemma("gemma4_text", tmp_path / "gemma4"))
+    # Without per-layer inputs and KV sharing, Gemma 4's global layers' wider heads (global_head_dim) still do not
+    # stack with its sliding layers'.
+    plain_gemma4 = jaxspec.load(hf_models.save_tiny_gemma("gemma4_text", tmp_path / "plain-gemma4",
+                                                          hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                                                          num_kv_shared_layers=0))
+    with monkeypatch.context() as patch:
+        patch.setenv("JAXSPEC_LAYER_STACK", "on")
+        assert stacks.layer_stack(gemma3, None) is not None  # loops over whole periods of its layer types
+        # Gemma 4's per-layer inputs and KV-shared layers differ from period to period: it stays unrolled.
+        assert not gemma4.module.loops_wide_forwards and stacks.layer_stack(gemma4, None) is None
+        assert plain_gemma4.module.loops_wide_forwards and stacks.layer_stack(plain_gemma4, None) is None
     monkeypatch.setattr(stacks, "STACK_MAX_BYTES", 0)
     assert stacks.layer_stack(target, None) is None  # above the limit
     monkeypatch.setenv("JAXSPEC_LAYER_STACK", "on")
     assert stacks.layer_stack(target, None) is not None  # any size, asked for
     monkeypatch.setenv("JAXSPEC_LAYER_STACK", "off")
     assert stacks.layer_stack(target, None) is None
-    monkeypatch.delenv("JAXSPEC_LAYER_STACK")
-    gemma = jaxspec.load(hf_models.save_tiny_gemma("gemma3_text", tmp_path / "gemma"))
-    assert stacks.layer_stack(gemma, None) is None  # no looped forward in that family yet
 
 
 def test_a_misspelt_setting_is_named_before_anything_compiles(monkeypatch, target):
