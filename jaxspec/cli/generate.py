@@ -122,8 +122,11 @@ def drafting_config(args, assistant=None) -> DraftingConfig:
     return DraftingConfig(None if args.strategy == SAMPLE else args.strategy, **options)
 
 
-def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
+def encode(tokenizer, prompt: str, chat: bool, model: str) -> list[int]:
     if chat:
+        if not getattr(tokenizer, "chat_template", None):  # transformers' own error does not say what to do
+            raise ValueError(f"--chat: the tokenizer of {model} has no chat template (a base model); leave --chat "
+                             "out to decode the prompt as plain text.")
         return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False))
     return tokenizer(prompt)["input_ids"]
@@ -197,7 +200,7 @@ def run(args) -> int:
     if model.tokenizer is None:
         print(f"{args.model} has no tokenizer; jaxspec needs one to read --prompt.", file=sys.stderr)
         return 2
-    ids = encode(model.tokenizer, args.prompt, args.chat)
+    ids = encode(model.tokenizer, args.prompt, args.chat, args.model)
     sampling = jaxspec.SamplingConfig(
         max_new_tokens=args.max_new_tokens, do_sample=True if args.do_sample or args.strategy == SAMPLE else None,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,

@@ -103,3 +103,12 @@ def test_assistant_quantization_needs_an_assistant(cli, folder, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--model", folder, "--strategy", "prompt_lookup", "--assistant-quantization", "int8"])
     assert "--assistant-quantization quantizes the --assistant of a strategy that drafts with one" in capsys.readouterr().err
+
+
+def test_chat_on_a_model_without_a_chat_template_is_named_before_anything_compiles(cli, folder, capsys):
+    from jaxspec import loop
+
+    traced = loop.trace_count()
+    assert cli.main(["--model", folder, "--prompt", "w5 w6", "--max-new-tokens", "4", "--chat"]) == 2
+    assert f"error: --chat: the tokenizer of {folder} has no chat template" in capsys.readouterr().err
+    assert loop.trace_count() == traced
