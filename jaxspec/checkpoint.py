@@ -53,7 +53,7 @@ from .head import is_quantized
 from .layout import standard_layout
 from .loading import Model, _read_json, config_from_hf
 from .models.layers import abstract_module
-from .tokenizer import load_tokenizer
+from .tokenizer import class_name as tokenizer_class_name, load_tokenizer
 
 FORMAT_VERSION = 2  # 2: Llama-family layers stored one array per layer (was stacked)
 MARKER = "jaxspec.json"
@@ -122,7 +122,7 @@ def restore(folder: str, dtype: Any = None, *, mesh=None, sharding_rules=None) -
     family, cfg = config_from_hf(hf_config, config_path)
     dtype = jnp.dtype(dtype if dtype is not None else marker["dtype"])
     generation_config = _read_json(os.path.join(folder, "generation_config.json"))
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder, marker.get("tokenizer_class"))
     check_params_files(folder, marker)
     return Model(
         module=_restore_module(family.model_cls(), cfg, dtype, params_dir, mesh, sharding_rules),
@@ -311,13 +311,18 @@ def write_params(module: nnx.Module, params_dir: str) -> None:
 
 
 def marker_for(model: Model, source: str) -> dict[str, Any]:
-    """What `restore` and the cache check read; the format version guards the folder's layout."""
-    return {
+    """What `restore` and the cache check read; the format version guards the folder's layout. The tokenizer's class
+    lets `restore` build it without `AutoTokenizer` (jaxspec/tokenizer.py `load_tokenizer`); a marker without it, as
+    written before 2026-12-06, leaves the choice to `AutoTokenizer`."""
+    marker = {
         "format_version": FORMAT_VERSION,
         "dtype": jnp.dtype(model.dtype).name,
         "source": source,
         "jaxspec_version": jaxspec_version(),
     }
+    if model.tokenizer is not None:
+        marker["tokenizer_class"] = tokenizer_class_name(model.tokenizer)
+    return marker
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ template), so restoring a conversion parses no GGUF.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -93,17 +94,41 @@ def tokenizer_from_gguf(reader, where: str = "this GGUF file") -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=backend, **(config | extra))
 
 
-def load_tokenizer(folder: str) -> Any | None:
+def class_name(tokenizer: Any) -> str:
+    """`tokenizer`'s class as "module:name", which a conversion's marker records for `load_tokenizer`."""
+    return f"{type(tokenizer).__module__}:{type(tokenizer).__qualname__}"
+
+
+def _tokenizer_class(name: str) -> Any | None:
+    """The transformers tokenizer class `class_name` named, or None where this transformers has no such class."""
+    module, _, qualname = name.partition(":") if isinstance(name, str) else ("", "", "")
+    if not module.startswith("transformers."):
+        return None
+    try:
+        return getattr(importlib.import_module(module), qualname)
+    except (ImportError, AttributeError):
+        return None
+
+
+def load_tokenizer(folder: str, saved_class: str | None = None) -> Any | None:
     """The tokenizer saved in `folder` (tokenizer.json and friends), or None when the folder has none.
+
+    `saved_class` ("module:name", `class_name`): the class the tokenizer was saved from, which a conversion folder's
+    marker records. It is built directly, as `AutoTokenizer` would build it: `AutoTokenizer` first reads the model's
+    config through transformers' model registry, which imports torch wherever torch is installed (a Colab, a test
+    environment): 3.7 s of loading SmolLM2's tokenizer there, against 0.8 s directly. Without it, or where this
+    transformers has no such class, `AutoTokenizer` chooses.
 
     transformers reports a damaged tokenizer file with an error that does not name it (the `tokenizers` library
     raises a bare Exception); when loading fails, a JSON file of the folder that does not parse is named instead."""
     if not any(os.path.exists(os.path.join(folder, name)) for name in TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer
+    tokenizer_cls = _tokenizer_class(saved_class) if saved_class else None
+    if tokenizer_cls is None:
+        from transformers import AutoTokenizer as tokenizer_cls
 
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return tokenizer_cls.from_pretrained(folder)
     except Exception:
         for name in JSON_FILES:
             if os.path.exists(os.path.join(folder, name)):

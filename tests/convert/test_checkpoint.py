@@ -7,6 +7,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,7 @@ from flax import nnx
 import jaxspec
 from jaxspec import catalog, checkpoint, loading, loop
 from tests.fixtures import hf_models
-from tests.fixtures.paths import SCRIPTS
+from tests.fixtures.paths import REPO_ROOT, SCRIPTS
 from tests.fixtures.text import tiny_tokenizer
 
 PROMPT = [[5, 6, 7]]
@@ -82,6 +84,51 @@ def test_round_trip_is_exact_and_generates_the_same(hf_dir, converted, monkeypat
         marker = json.load(f)
     assert marker["format_version"] == checkpoint.FORMAT_VERSION and marker["dtype"] == "float32"
     assert marker["source"] == hf_dir and "jaxspec_version" in marker
+
+
+def test_restore_builds_the_saved_tokenizer_class_without_auto_tokenizer(hf_dir, converted, monkeypatch, tmp_path):
+    """The marker names the tokenizer's class and `restore` builds it directly: `AutoTokenizer` would import torch
+    through transformers' model registry wherever torch is installed. A class this transformers lacks leaves the
+    choice to `AutoTokenizer` again."""
+    import transformers
+
+    expected = transformers.AutoTokenizer.from_pretrained(converted)
+    with open(os.path.join(converted, checkpoint.MARKER)) as f:
+        assert json.load(f)["tokenizer_class"] == f"{type(expected).__module__}:{type(expected).__qualname__}"
+    text = "w3 w7 w9 w120 unknown"
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers.AutoTokenizer, "from_pretrained", _refuse_auto_tokenizer)
+        restored = checkpoint.restore(converted).tokenizer
+    assert type(restored) is type(expected) and restored(text)["input_ids"] == expected(text)["input_ids"]
+    assert restored.all_special_tokens == expected.all_special_tokens
+
+    moved = shutil.copytree(converted, tmp_path / "moved")
+    marker_path = os.path.join(moved, checkpoint.MARKER)
+    with open(marker_path) as f:
+        marker = json.load(f)
+    with open(marker_path, "w") as f:
+        json.dump(marker | {"tokenizer_class": "transformers.tokenization_utils_tokenizers:NoSuchTokenizer"}, f)
+    assert type(checkpoint.restore(moved).tokenizer) is type(expected)
+
+
+def _refuse_auto_tokenizer(*args, **kwargs):
+    raise AssertionError("AutoTokenizer was asked to choose the tokenizer class")
+
+
+def test_restoring_imports_no_torch(converted, tmp_path):
+    """torch is installed here (the tests' oracle), as in a Colab: restoring a conversion still never imports it.
+    A fresh interpreter, since this one has torch loaded."""
+    script = "\n".join([
+        "import sys",
+        "import jaxspec",
+        f"model = jaxspec.load({os.fspath(converted)!r})",
+        "assert model.tokenizer('w3 w7')['input_ids']",
+        "assert 'torch' not in sys.modules, 'torch was imported'",
+        "print('ok')",
+    ])
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "JAXSPEC_CACHE": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
 def test_a_converted_model_and_its_restored_copy_compile_to_one_loop(tmp_path, monkeypatch):
