@@ -505,7 +505,7 @@ class GemmaForCausalLM(nnx.Module):
     # Every decoder layer's params stacked [L, ...], bound by the decode loop for one trace on a CPU
     # (jaxspec/layer_stack.py), which wide forwards loop over where the config allows (`GemmaConfig.loops_layers`).
     layer_stack: Any = None
-    # Only JAXSPEC_LAYER_STACK=on binds one: looped, Gemma 3 270M's wide forwards cost 17-31% more on a CPU, where
+    # Only JAXSPEC_LAYER_STACK=on binds one: looped, Gemma 3 270M's wide forwards cost 14-27% more on a CPU, where
     # the Llama family's cost 0-11% more (docs/design.md, 'Compile time').
     stacked_by_default = False
 
