@@ -384,7 +384,9 @@ def load_cached(name: str, dtype: Any, progress: bool = False, *, mesh=None, sha
     source = catalog_source(name)
     check_mtp_asset(name)  # before converting: a damaged asset would otherwise fail only after the conversion
     if bool(distributed.broadcast(np.asarray(_is_current(folder, source)))):
-        return _with_mtp_asset(name, restore(folder, mesh=mesh, sharding_rules=sharding_rules))
+        model = restore(folder, mesh=mesh, sharding_rules=sharding_rules)
+        _record_tokenizer_class(folder, model)
+        return _with_mtp_asset(name, model)
     model = loading.convert(name, dtype, progress, mesh=mesh, sharding_rules=sharding_rules)
     if progress:
         print(f"caching the conversion in {folder}", flush=True)
@@ -394,6 +396,22 @@ def load_cached(name: str, dtype: Any, progress: bool = False, *, mesh=None, sha
         if not _is_current(folder, source):  # else another process cached the same conversion first
             warnings.warn(f"could not cache the conversion of {name} in {folder}: {error}", stacklevel=3)
     return _with_mtp_asset(name, model)
+
+
+def _record_tokenizer_class(folder: str, model: Model) -> None:
+    """A cached conversion whose marker predates `tokenizer_class` (`marker_for`) gets it now, so that later loads
+    build the tokenizer without `AutoTokenizer`: the cache is current until jaxspec's version changes, and would
+    otherwise keep loading the slow way. The marker is replaced whole (a reader sees the old one or the new one); a
+    cache that cannot be written only stays slow."""
+    path = os.path.join(folder, MARKER)
+    marker = read_marker(folder)
+    if model.tokenizer is None or "tokenizer_class" in marker or jax.process_index() != 0:
+        return
+    try:
+        _write_json(f"{path}.tmp", marker | {"tokenizer_class": tokenizer_class_name(model.tokenizer)})
+        os.replace(f"{path}.tmp", path)
+    except OSError:
+        pass
 
 
 def _with_mtp_asset(name: str, model: Model) -> Model:

@@ -292,6 +292,25 @@ def test_catalogue_conversion_is_cached_then_restored(fake_catalogue, tmp_path, 
     assert checkpoint.read_marker(folder)["source"] == "catalog:tiny-test@sha256:" + "0" * 64
 
 
+def test_an_older_cached_conversion_gets_its_tokenizer_class(fake_catalogue, tmp_path, monkeypatch):
+    """A cached conversion stays current until jaxspec's version changes: one whose marker predates the tokenizer's
+    class gets it on its next load, and the loads after that build the tokenizer without AutoTokenizer."""
+    import transformers
+
+    folder = tmp_path / "cache" / "converted" / "tiny-test-float32"
+    jaxspec.load("tiny-test", dtype=jnp.float32)
+    marker = checkpoint.read_marker(folder)
+    saved_class = marker.pop("tokenizer_class")
+    with open(folder / checkpoint.MARKER, "w") as f:
+        json.dump(marker, f)
+    refuse_to_convert(monkeypatch)
+    jaxspec.load("tiny-test", dtype=jnp.float32)
+    assert checkpoint.read_marker(folder) == marker | {"tokenizer_class": saved_class}
+    assert not os.path.exists(folder / f"{checkpoint.MARKER}.tmp")  # written aside, then moved over the marker
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", _refuse_auto_tokenizer)
+    assert jaxspec.load("tiny-test", dtype=jnp.float32).tokenizer.encode("ab cd")
+
+
 def test_unwritable_cache_still_loads(fake_catalogue, tmp_path, monkeypatch):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
