@@ -116,8 +116,8 @@ def load_tokenizer(folder: str, saved_class: str | None = None) -> Any | None:
     `saved_class` ("module:name", `class_name`): the class the tokenizer was saved from, which a conversion folder's
     marker records. It is built directly, as `AutoTokenizer` would build it: `AutoTokenizer` first reads the model's
     config through transformers' model registry, which imports torch wherever torch is installed (a Colab, a test
-    environment): 3.7 s of loading SmolLM2's tokenizer there, against 0.8 s directly. Without it, or where this
-    transformers has no such class, `AutoTokenizer` chooses.
+    environment), most of a load there (docs/design.md, 'The tokenizer without AutoTokenizer'). Without it, or where
+    this transformers has no such class, `AutoTokenizer` chooses.
 
     transformers reports a damaged tokenizer file with an error that does not name it (the `tokenizers` library
     raises a bare Exception); when loading fails, a JSON file of the folder that does not parse is named instead."""

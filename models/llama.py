@@ -245,7 +245,7 @@ class LlamaForCausalLM(nnx.Module):
 
     tree_attention = True  # verifies tree-shaped blocks (`tree=`; jaxspec/tree.py)
     loops_wide_forwards = True  # runs its layers as a loop over `layer_stack` where one is bound
-    stacked_by_default = True  # JAXSPEC_LAYER_STACK=auto binds one: looped, its wide forwards cost 0-11% more
+    stacked_by_default = True  # JAXSPEC_LAYER_STACK=auto binds one: looped, its wide forwards cost little more
     # Every decoder layer's params stacked [L, ...], bound by the decode loop for one trace on a CPU
     # (jaxspec/layer_stack.py): forwards of two or more positions a row then loop over the layers instead of
     # unrolling them, which compiles one layer instead of L.
