@@ -114,10 +114,12 @@ def load_tokenizer(folder: str, saved_class: str | None = None) -> Any | None:
     """The tokenizer saved in `folder` (tokenizer.json and friends), or None when the folder has none.
 
     `saved_class` ("module:name", `class_name`): the class the tokenizer was saved from, which a conversion folder's
-    marker records. It is built directly, as `AutoTokenizer` would build it: `AutoTokenizer` first reads the model's
-    config through transformers' model registry, which imports torch wherever torch is installed (a Colab, a test
-    environment), most of a load there (docs/design.md, 'The tokenizer without AutoTokenizer'). Without it, or where
-    this transformers has no such class, `AutoTokenizer` chooses.
+    marker records; it is built directly, so a restored model has the tokenizer its conversion had. `AutoTokenizer`
+    would first read the model's config through transformers' model registry, which imports torch wherever torch is
+    installed (a Colab, a test environment): most of a load there (docs/design.md, 'The tokenizer without
+    AutoTokenizer'). For a GGUF conversion it would also pick the model type's class over the `TokenizersBackend` built
+    from the file, which encodes alike. Without `saved_class`, or where this transformers has no such class,
+    `AutoTokenizer` chooses.
 
     transformers reports a damaged tokenizer file with an error that does not name it (the `tokenizers` library
     raises a bare Exception); when loading fails, a JSON file of the folder that does not parse is named instead."""
