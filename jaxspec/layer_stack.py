@@ -14,8 +14,8 @@ and of models/gemma.py for Gemma 2 and 3, which loop over whole periods of their
 copy of the layer weights, made once per model and kept, like the CPU head copy (jaxspec/head.py); it is made only where
 that copy is small (`STACK_MAX_BYTES`): a small model is where compile time is most of a short call. Accelerators,
 sharded models and families without a looped forward get none, and Gemma gets one only when asked (`on`): looped, its
-wide forwards cost enough more that prompt lookup decoded a story at 0.79x the unrolled speed (docs/design.md, 'Gemma
-loops by period, when asked').
+wide forwards cost enough more to slow down prompt lookup where it verifies wide blocks most rounds (docs/design.md,
+'Gemma loops by period, when asked').
 
 `JAXSPEC_LAYER_STACK` chooses: `auto` (the default, as above), `on` (a CPU model of any size and family) or `off` (every
 forward unrolled, as before 2026-12-06: the fastest wide blocks where memory or steps matter more than compiles).

@@ -505,8 +505,8 @@ class GemmaForCausalLM(nnx.Module):
     # Every decoder layer's params stacked [L, ...], bound by the decode loop for one trace on a CPU
     # (jaxspec/layer_stack.py), which wide forwards loop over where the config allows (`GemmaConfig.loops_layers`).
     layer_stack: Any = None
-    # Only JAXSPEC_LAYER_STACK=on binds one: looped, Gemma 3 270M's wide forwards cost enough more that prompt lookup
-    # decoded a story at 0.79x the unrolled speed (docs/design.md, 'Gemma loops by period, when asked').
+    # Only JAXSPEC_LAYER_STACK=on binds one: looped, Gemma 3 270M's wide forwards cost enough more to slow down prompt
+    # lookup where it verifies wide blocks most rounds (docs/design.md, 'Gemma loops by period, when asked').
     stacked_by_default = False
 
     def __init__(self, cfg: GemmaConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs | None = None):
