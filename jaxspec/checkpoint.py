@@ -403,9 +403,11 @@ def _record_tokenizer_class(folder: str, model: Model) -> None:
     build the tokenizer without `AutoTokenizer`: the cache is current until jaxspec's version changes, and would
     otherwise keep loading the slow way. The marker is replaced whole (a reader sees the old one or the new one); a
     cache that cannot be written only stays slow."""
+    if model.tokenizer is None or jax.process_index() != 0:
+        return
     path = os.path.join(folder, MARKER)
     marker = read_marker(folder)
-    if model.tokenizer is None or "tokenizer_class" in marker or jax.process_index() != 0:
+    if "tokenizer_class" in marker:
         return
     try:
         _write_json(f"{path}.tmp", marker | {"tokenizer_class": tokenizer_class_name(model.tokenizer)})
