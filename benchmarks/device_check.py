@@ -62,8 +62,9 @@ bytes per cached position from the model's `init_cache`). Those bytes over the s
 its rounds, prefill excluded) are the bandwidth reached, printed as a fraction of (a) the read bandwidth measured
 here: a jitted float32 matrix-vector product over a `--bandwidth-mb` matrix, ten calls queued back to back per
 timing so that dispatch overlaps the reads, best of five; and (b) the device's nominal peak, from a table keyed by
-`jax.devices()[0].device_kind` (n/a for other kinds). jaxspec reads a cache shorter than 2048 positions whole
-(models/layers.py, `key_extents`), so reading past the live context counts against it here.
+`jax.devices()[0].device_kind` (n/a for other kinds). jaxspec reads a cache shorter than 2048 positions whole at
+batch 1, and one shorter than 1024 at batch 8 (models/layers.py, `key_extents`), so reading past the live context
+counts against it here.
 """
 
 from __future__ import annotations

@@ -107,20 +107,31 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attentio
 # needs. `attend_live` runs the attention over the shortest static prefix of the cache that holds every query's keys
 # (`key_extents`), chosen at run time, so a step costs what its context needs, not what its budget reserved. Keys
 # past a query's position are masked either way: the result is the same attention. The choice is a branch per
-# layer, which costs something of its own on short caches, so caches shorter than PREFIX_FROM entries are read
-# whole, and compile only the one attention they always did (see docs/design.md, 'Live-prefix attention').
+# layer, which costs something of its own and compiles one attention per prefix, so a cache too short to gain from
+# it is read whole and compiles only the one attention it always did. What a shorter prefix saves grows with the
+# rows that read it, so a batch of BATCH_ROWS or more chooses among shorter prefixes, in shorter caches, than one row
+# (see docs/design.md, 'Live-prefix attention').
 
-PREFIX_FROM = 2048  # caches of at least this many entries choose a prefix
-MIN_KEY_EXTENT = 512  # their shortest prefix
+PREFIX_FROM = 2048  # a cache of one to three rows chooses a prefix from this many entries ...
+MIN_KEY_EXTENT = 512  # ... its shortest
+BATCH_ROWS = 4  # a batch of at least this many rows chooses ...
+BATCH_PREFIX_FROM_KEYS = 8192  # ... once its cache holds this many entries over all its rows ...
+BATCH_MIN_KEY_EXTENT = 128  # ... among prefixes from this many entries, in caches of at least four of them
 
 
-def key_extents(size: int) -> tuple[int, ...]:
-    """The static prefixes of a `size`-entry cache that attention chooses from, ascending: the whole cache when it
-    is shorter than PREFIX_FROM, else MIN_KEY_EXTENT doubled while shorter than `size`, then `size`."""
-    if size < PREFIX_FROM:
+def key_extents(size: int, batch: int = 1) -> tuple[int, ...]:
+    """The static prefixes of a `size`-entry cache of `batch` rows that attention chooses from, ascending: the
+    shortest prefix doubled while shorter than `size`, then `size`; only `size` where the cache is too short to
+    choose (PREFIX_FROM entries for one row; BATCH_PREFIX_FROM_KEYS over the rows of a batch)."""
+    if batch >= BATCH_ROWS:
+        shortest = BATCH_MIN_KEY_EXTENT
+        chooses = batch * size >= BATCH_PREFIX_FROM_KEYS and size >= 4 * shortest
+    else:
+        shortest, chooses = MIN_KEY_EXTENT, size >= PREFIX_FROM
+    if not chooses:
         return (size,)
     extents = []
-    extent = MIN_KEY_EXTENT
+    extent = shortest
     while extent < size:
         extents.append(extent)
         extent *= 2
@@ -130,14 +141,15 @@ def key_extents(size: int) -> tuple[int, ...]:
 def attend_live(attend, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, *args,
                 layer: int | jax.Array | None = None) -> jax.Array:
     """`attend(q, k, v, positions, *args)` over the cache prefix [0, E) for the smallest E in `key_extents` that
-    holds every query's position; `attend` masks by the cache size it is given.
+    holds every query's position; `attend` masks by the cache size it is given. positions: [B, T] (a tree block's
+    slots), whose rows size the prefixes.
 
     k_cache, v_cache: one layer's caches with positions second to last (a `KVCache` layer's [B, K, S, Dh], MLA's
     latent [B, S, R] and rope key [B, S, Dr]), or stacks of them on a leading layers axis, read at `layer`. The
     caches enter the branches whole and each branch slices its own prefix, so no branch copies more than its prefix.
     """
     size = k_cache.shape[-2]
-    extents = key_extents(size)
+    extents = key_extents(size, batch=positions.shape[0])
 
     def prefix(cache: jax.Array, extent: int) -> jax.Array:
         return cache[..., :extent, :] if layer is None else cache[layer, ..., :extent, :]

@@ -4,6 +4,7 @@ attention as over the whole cache, and decoding across prefix boundaries equals 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,19 +13,33 @@ import pytest
 import torch
 
 import jaxspec
+from jaxspec import loop
 from jaxspec.models import layers as L
 from tests.fixtures import hf_models
 
 
 def test_key_extents_double_from_the_minimum_to_the_cache_size():
-    assert L.key_extents(1024) == (1024,)  # shorter than PREFIX_FROM: read whole
+    assert L.key_extents(1024) == (1024,)  # one row: shorter than PREFIX_FROM, read whole
     assert L.key_extents(2048) == (512, 1024, 2048)
     assert L.key_extents(2560) == (512, 1024, 2048, 2560)
+    assert L.key_extents(2048, batch=3) == L.key_extents(2048)
+
+
+def test_a_batch_chooses_shorter_prefixes_in_shorter_caches():
+    """Four rows or more: prefixes from 128 entries once the cache holds 8192 entries over the rows, and at least
+    512."""
+    assert L.key_extents(1024, batch=4) == (1024,)
+    assert L.key_extents(2048, batch=4) == (128, 256, 512, 1024, 2048)
+    assert L.key_extents(512, batch=8) == (512,)
+    assert L.key_extents(1024, batch=8) == (128, 256, 512, 1024)
+    assert L.key_extents(512, batch=16) == (128, 256, 512)
+    assert L.key_extents(256, batch=64) == (256,)
 
 
 @pytest.fixture
 def small_prefixes(monkeypatch):
-    """Prefixes from 128 entries in caches from 256: tiny models exercise the switch at sizes that run fast."""
+    """One row's prefixes from 128 entries in caches from 256: tiny models exercise the switch at sizes that run
+    fast."""
     monkeypatch.setattr(L, "PREFIX_FROM", 256)
     monkeypatch.setattr(L, "MIN_KEY_EXTENT", 128)
 
@@ -32,7 +47,6 @@ def small_prefixes(monkeypatch):
 @pytest.fixture
 def fresh_executables():
     """Compiled loops are dropped before and after, so no executable crosses a change of the prefixes."""
-    from jaxspec import loop
     loop._compiled.clear()
     jax.clear_caches()
     yield
@@ -90,16 +104,22 @@ def ragged(rows):
 
 
 @pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow), "gemma3_text"])
-def test_decoding_across_prefix_boundaries_equals_transformers(fresh_executables, small_prefixes, tmp_path, family):
-    """Two rows decode from 100 and 20 tokens to 260 positions: attention moves from a 128- to a 256- to a 512-entry
-    prefix; a sliding-window family checks windowed layers too. Prompt lookup equals plain greedy."""
+def test_decoding_across_prefix_boundaries_equals_transformers(fresh_executables, tmp_path, family):
+    """Sixteen rows (four prompts, each four times) decode from 100, 20, 60 and 5 tokens to 260 positions in a
+    512-entry cache, which a batch of sixteen reads in prefixes at the users' settings: attention moves from a 128-
+    to a 256- to a 512-entry prefix; a sliding-window family checks windowed layers too. Prompt lookup equals plain
+    greedy."""
+    assert L.key_extents(512, batch=16) == (128, 256, 512)
     save = hf_models.save_tiny_gemma if family.startswith("gemma") else hf_models.save_tiny
     folder = save(family, tmp_path, seed=5, max_position_embeddings=1024)
-    ids, mask = ragged([[3 + (11 * i) % 90 for i in range(100)], list(range(30, 50))])
+    ids, mask = ragged([[3 + (11 * i) % 90 for i in range(100)], list(range(30, 50)),
+                        [7 + (13 * i) % 80 for i in range(60)], [9, 8, 7, 6, 5]] * 4)
     expected = hf_models.load_hf(folder).generate(torch.tensor(ids), attention_mask=torch.tensor(mask),
                                                   max_new_tokens=160, do_sample=False).numpy()
     model = jaxspec.load(folder)
     out = jaxspec.generate(model, ids, mask, max_new_tokens=160)
     np.testing.assert_array_equal(out.sequences, expected)
+    (rounds,) = loop.compiled("rounds")
+    assert re.search(r"f32\[16,\d+,128,\d+\]", rounds.as_text())  # the rows' keys or values, 128 entries of them
     lookup = jaxspec.generate(model, ids, mask, max_new_tokens=160, prompt_lookup_num_tokens=4)
     np.testing.assert_array_equal(lookup.sequences, expected)
