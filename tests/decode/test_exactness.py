@@ -292,6 +292,7 @@ def speculative(target, assistant, rows: int, seed: int) -> Sample:
                   **SAMPLING)
 
 
+@pytest.mark.usefixtures("users_xla_for_large_batches")
 def test_speculative_sampling_is_exact(target, near_assistant, exact, rows):
     """Every position of a K + 2 budget (the prefill's token, a round of K = 3 drafts, the token after it) follows
     the target's exact processed law, with an assistant whose drafts are often accepted, often all of them, and
@@ -305,6 +306,7 @@ def test_speculative_sampling_is_exact(target, near_assistant, exact, rows):
     assert_exact(out, exact, n)
 
 
+@pytest.mark.usefixtures("users_xla_for_large_batches")
 def test_the_bonus_token_after_a_fully_accepted_block_is_exact(target, exact, rows):
     """The target drafting for itself accepts every draft (but for float round-off between its one-token drafting
     forwards and the block forward), so each row's one round is a full block of K = 3 and its last token, position
