@@ -1,6 +1,7 @@
 """The adaptive schedule's decisions without the machine's noise: its own `Schedule`, driven on the host.
 
     python benchmarks/simulate_schedule.py [--tokens 32] [--seeds 12] [--only "CPU MTP"] [--probe-unit 0.05]
+                                           [--shadow-probes {always,after-miss}]
 
 Each scenario is a batch of rows that accept each draft with a fixed probability (or, for text that repeats in
 bursts, a probability that follows the row's position: so many tokens at one rate, then so many at another, over and
@@ -21,8 +22,8 @@ import sys
 
 import numpy as np
 
-# (name, rows' acceptance rates, verify costs of each width, draft cost[, K]), all in plain steps; K (the longest
-# draft) is 2, widths 1, 2 and 3, unless a scenario names it
+# (name, rows' acceptance rates, verify costs of each width, draft cost[, K[, a drafting round's fixed cost]]), all in
+# plain steps; K (the longest draft) is 2, widths 1, 2 and 3, unless a scenario names it
 SCENARIOS = (
     ("MTP, free text, batch 8", (0.3, 0.25, 0.35, 0.67) * 2, (1.0, 1.18, 1.27), 0.39),
     ("same, a cheaper draft", (0.3, 0.25, 0.35, 0.67) * 2, (1.0, 1.24, 1.4), 0.17),
@@ -52,6 +53,14 @@ SCENARIOS = (
     ("1.5B + 0.5B prices, batch 1 at 0.7", (0.7,), (1.0, 2.39, 2.30, 2.43), 0.32, 4),
     ("1.5B + 0.5B prices, batch 1 at 0", (0.0,), (1.0, 2.39, 2.30, 2.43), 0.32, 4),
     ("1.5B + int8 0.5B prices, batch 1 at 0.89", (0.89,), (1.0, 2.39, 2.30, 2.43), 0.15, 4),
+    # The shipped drafters of SmolLM2-135M at batch 1 on the 2-core CPU, prices rounded from docs/design.md ('Trained
+    # drafters on a CPU', 'Batches'): verify blocks of 2, 4 and 8 at 1.55, 2.3 and 3.0 plain steps (5 at 2.5);
+    # prompt lookup's drafts are free, DFlash's block forward is a drafting round's fixed cost (0.49), EAGLE-3's
+    # head costs 0.06 a draft and 0.04 a round. Acceptance: DFlash's and EAGLE-3's held-out first-draft rates.
+    ("CPU prompt lookup, batch 1, nothing to copy", (0.0,), (1.0, 1.55, 2.3, 2.5), 0.0, 3),
+    ("CPU DFlash, batch 1 at 0.36", (0.36,), (1.0, 1.55, 2.3, 3.0), 0.02, 7, 0.49),
+    ("CPU DFlash, batch 1 at 0", (0.0,), (1.0, 1.55, 2.3, 3.0), 0.02, 7, 0.49),
+    ("CPU EAGLE-3, batch 1 at 0.45", (0.45,), (1.0, 1.55, 2.3, 2.5), 0.06, 4, 0.04),
 )
 
 
@@ -75,17 +84,25 @@ class Run:
     cost: float = 0.0  # plain steps
 
 
-def simulate(rates, verify_costs, draft_cost: float, tokens: int, seeds, max_draft: int = 2) -> list[Run]:
+def simulate(rates, verify_costs, draft_cost: float, tokens: int, seeds, max_draft: int = 2, round_cost: float = 0.0,
+             shadow_probes: str | None = None) -> list[Run]:
     """Batches decoded to `tokens` new tokens a row, one per seed in `seeds`, with drafts accepted at `rates` ([B],
     each `rate_at`). The schedule's decision and update are compiled once for all seeds: run eagerly, dispatching
-    their many small ops one at a time was most of the simulation's time."""
+    their many small ops one at a time was most of the simulation's time.
+
+    `shadow_probes` (a what-if; the loop does not do this): a round that only probes proposes its drafts but runs a
+    plain step, which commits one token; the schedule learns the drafts' acceptance as if they had been verified (by
+    comparing them with the tokens the next plain steps commit, which under greedy decoding is what verifying them
+    would accept). Such a probe costs its drafts' own work, not a verify block. "always": every probe; "after-miss":
+    only a probe that follows a probe in which no row had a draft accepted (the first probe is verified, and so is
+    the one after a hit, whose tokens are then committed)."""
     import jax
     import jax.numpy as jnp
 
     from jaxspec.schedule import make_schedule
     from jaxspec.strategies.base import RoundResult
 
-    schedule = make_schedule("adaptive", 1, max_draft, draft_cost)
+    schedule = make_schedule("adaptive", 1, max_draft, draft_cost, round_cost)
     schedule = dataclasses.replace(schedule, verify_costs=tuple(verify_costs[:len(schedule.widths)]))
     batch = len(rates)
 
@@ -106,6 +123,7 @@ def simulate(rates, verify_costs, draft_cost: float, tokens: int, seeds, max_dra
         state = schedule.init(batch, jnp.ones((batch,), jnp.int32))
         done = np.zeros(batch, np.int64)
         run = Run()
+        last_probe_hit = True  # "after-miss": the first probe is verified
         while done.min() < tokens:
             running = done < tokens
             remaining = np.where(running, tokens - done, -1)
@@ -118,6 +136,13 @@ def simulate(rates, verify_costs, draft_cost: float, tokens: int, seeds, max_dra
                     accepted[row] += 1
             committed = np.where(running, accepted + 1, 0).astype(np.int32)
             state = update(state, np.where(running, drafts, 0).astype(np.int32), accepted, committed, deciding)
+            in_shadow = bool(probing and drafts) and (shadow_probes == "always" or
+                                                      (shadow_probes == "after-miss" and not last_probe_hit))
+            if probing and drafts:
+                last_probe_hit = bool(np.any(accepted[running] > 0))
+            if in_shadow:
+                committed = np.where(running, 1, 0)  # the plain step's token; the drafts were only judged
+                price = 1.0 + schedule.draft_cost * drafts + schedule.round_cost
             run.cost += float(price)
             run.rounds += 1
             run.drafting += drafts > 0
@@ -134,6 +159,8 @@ def main(argv=None) -> int:
     parser.add_argument("--probe-unit", type=float, default=None,
                         help="what-if: Schedule.PROBE_UNIT for this run (a smaller unit spaces costly probes further)")
     parser.add_argument("--only", default="", help="run only the scenarios whose name contains this")
+    parser.add_argument("--shadow-probes", choices=("always", "after-miss"), default=None,
+                        help="what-if: probes run a plain step and judge their drafts against its tokens (`simulate`)")
     args = parser.parse_args(argv)
     if args.probe_unit is not None:
         from jaxspec.schedule import Schedule
@@ -142,10 +169,11 @@ def main(argv=None) -> int:
     print(f"{args.tokens} tokens a row, mean of {args.seeds} seeds\n")
     print("| scenario | rounds | drafting rounds | probes | speedup the prices give |")
     print("|---|---:|---:|---:|---:|")
-    for name, rates, verify_costs, draft_cost, *max_draft in SCENARIOS:
+    for name, rates, verify_costs, draft_cost, *extra in SCENARIOS:
         if args.only not in name:
             continue
-        runs = simulate(rates, verify_costs, draft_cost, args.tokens, range(args.seeds), *max_draft)
+        runs = simulate(rates, verify_costs, draft_cost, args.tokens, range(args.seeds), *extra,
+                        shadow_probes=args.shadow_probes)
         mean = {field: np.mean([getattr(r, field) for r in runs]) for field in ("rounds", "drafting", "probes")}
         speedup = np.mean([args.tokens / r.cost for r in runs])
         print(f"| {name} | {mean['rounds']:.1f} | {mean['drafting']:.1f} | {mean['probes']:.1f} | {speedup:.3f}x |",

@@ -60,6 +60,20 @@ def test_probes_that_can_pay_teach_a_costly_pair_to_draft(simulation, monkeypatc
     assert speedup > 1.02 and one_draft_speedup < 1.0 and drafting > 3 * one_draft_drafting
 
 
+def test_shadow_probes_cost_only_their_drafts(simulation):
+    """The what-if `--shadow-probes`: a probe runs a plain step beside its drafts, so for a drafter that is never
+    accepted (DFlash's CPU prices at batch 1) every round commits one token and a probe costs one plain step plus its
+    drafts' work (the block forward, 0.49, and at most K drafts), where a verified probe pays its block of 2-8."""
+    name, rates, verify_costs, draft_cost, max_draft, round_cost = next(
+        scenario for scenario in simulation.SCENARIOS if scenario[0] == "CPU DFlash, batch 1 at 0")
+    verified, shadow = (simulation.simulate(rates, verify_costs, draft_cost, 64, range(3), max_draft, round_cost,
+                                            shadow_probes=shadow) for shadow in (None, "always"))
+    for run in shadow:
+        assert run.rounds == 64 and run.probes == run.drafting > 0, describe(run)
+        assert 64 + run.probes * round_cost <= run.cost <= 64 + run.probes * (round_cost + max_draft * draft_cost)
+    assert sum(run.cost for run in shadow) < sum(run.cost for run in verified)
+
+
 def test_the_script_prints_its_table(simulation, capsys):
     assert simulation.main(["--tokens", "8", "--seeds", "1"]) == 0
     table = capsys.readouterr().out
