@@ -1,7 +1,7 @@
 """The adaptive schedule's decisions without the machine's noise: its own `Schedule`, driven on the host.
 
     python benchmarks/simulate_schedule.py [--tokens 32] [--seeds 12] [--only "CPU MTP"] [--probe-unit 0.05]
-                                           [--shadow-probes {always,after-miss}]
+                                           [--shadow-probes never]
 
 Each scenario is a batch of rows that accept each draft with a fixed probability (or, for text that repeats in
 bursts, a probability that follows the row's position: so many tokens at one rate, then so many at another, over and
@@ -85,17 +85,26 @@ class Run:
 
 
 def simulate(rates, verify_costs, draft_cost: float, tokens: int, seeds, max_draft: int = 2, round_cost: float = 0.0,
-             shadow_probes: str | None = None) -> list[Run]:
+             shadow_probes: bool = True) -> list[Run]:
     """Batches decoded to `tokens` new tokens a row, one per seed in `seeds`, with drafts accepted at `rates` ([B],
     each `rate_at`). The schedule's decision and update are compiled once for all seeds: run eagerly, dispatching
     their many small ops one at a time was most of the simulation's time.
 
-    `shadow_probes` (a what-if; the loop does not do this): a round that only probes proposes its drafts but runs a
-    plain step, which commits one token; the schedule learns the drafts' acceptance as if they had been verified (by
-    comparing them with the tokens the next plain steps commit, which under greedy decoding is what verifying them
-    would accept). Such a probe costs its drafts' own work, not a verify block. "always": every probe; "after-miss":
-    only a probe that follows a probe in which no row had a draft accepted (the first probe is verified, and so is
-    the one after a hit, whose tokens are then committed)."""
+    A probe judged in the shadow (`Schedule.in_shadow`: one that follows a missed probe) drafts one draft but commits
+    one token, the plain step's, at the plain step's price and the draft's work (`Schedule.shadow_price`); the
+    schedule learns whether each row's draft was that token, as the loop hands it over. `shadow_probes=False`: the
+    what-if of every probe verified (as before 2026-12-06).
+    """
+    from jaxspec.schedule import Schedule
+
+    default, Schedule.SHADOW_PROBES = Schedule.SHADOW_PROBES, shadow_probes  # read when `decide` and `update` trace
+    try:
+        return _simulate(rates, verify_costs, draft_cost, tokens, seeds, max_draft, round_cost)
+    finally:
+        Schedule.SHADOW_PROBES = default
+
+
+def _simulate(rates, verify_costs, draft_cost: float, tokens: int, seeds, max_draft: int, round_cost: float):
     import jax
     import jax.numpy as jnp
 
@@ -107,14 +116,17 @@ def simulate(rates, verify_costs, draft_cost: float, tokens: int, seeds, max_dra
     batch = len(rates)
 
     @jax.jit
-    def decide(state, deciding):  # -> (drafts the batch proposes, whether only to probe, the round's price)
+    def decide(state, deciding):  # -> (drafts the batch proposes, whether only to probe, in the shadow, its price)
         drafts = schedule.allowed(state, deciding)[0]
-        return drafts, schedule.probing(state, deciding), schedule.round_price(drafts)
+        probing = schedule.probing(state, deciding)
+        in_shadow = schedule.in_shadow(state, deciding) & (drafts > 0)
+        price = jnp.where(in_shadow, schedule.shadow_price(drafts), schedule.round_price(drafts))
+        return drafts, probing, in_shadow, price
 
     @jax.jit
-    def update(state, drafted, accepted, committed, deciding):
+    def update(state, drafted, accepted, committed, deciding, in_shadow, shadow_hits):
         result = RoundResult(drafted=drafted, accepted=accepted, committed=committed, tokens=None, hidden=None,
-                             lengths=None, deciding=deciding)
+                             lengths=None, deciding=deciding, in_shadow=in_shadow, shadow_hits=shadow_hits)
         return schedule.update(state, result, max_draft)
 
     runs = []
@@ -123,26 +135,23 @@ def simulate(rates, verify_costs, draft_cost: float, tokens: int, seeds, max_dra
         state = schedule.init(batch, jnp.ones((batch,), jnp.int32))
         done = np.zeros(batch, np.int64)
         run = Run()
-        last_probe_hit = True  # "after-miss": the first probe is verified
         while done.min() < tokens:
             running = done < tokens
             remaining = np.where(running, tokens - done, -1)
             deciding = running & (remaining == remaining.max())  # the loop's `deciding_rows`
-            drafts, probing, price = (np.asarray(x) for x in decide(state, deciding))
+            drafts, probing, in_shadow, price = (np.asarray(x) for x in decide(state, deciding))
             drafts = int(drafts)
             accepted = np.zeros(batch, np.int32)  # [B] the leading drafts each row's target agrees with
             for row in range(batch):
                 while accepted[row] < drafts and rng.random() < rate_at(rates[row], done[row] + accepted[row]):
                     accepted[row] += 1
+            if in_shadow:  # the plain step's token; the first draft judged against it
+                shadow_hits, accepted = accepted > 0, np.zeros(batch, np.int32)
+            else:
+                shadow_hits = np.zeros(batch, bool)
             committed = np.where(running, accepted + 1, 0).astype(np.int32)
-            state = update(state, np.where(running, drafts, 0).astype(np.int32), accepted, committed, deciding)
-            in_shadow = bool(probing and drafts) and (shadow_probes == "always" or
-                                                      (shadow_probes == "after-miss" and not last_probe_hit))
-            if probing and drafts:
-                last_probe_hit = bool(np.any(accepted[running] > 0))
-            if in_shadow:
-                committed = np.where(running, 1, 0)  # the plain step's token; the drafts were only judged
-                price = 1.0 + schedule.draft_cost * drafts + schedule.round_cost
+            state = update(state, np.where(running, drafts, 0).astype(np.int32), accepted, committed, deciding,
+                           in_shadow, shadow_hits)
             run.cost += float(price)
             run.rounds += 1
             run.drafting += drafts > 0
@@ -159,8 +168,9 @@ def main(argv=None) -> int:
     parser.add_argument("--probe-unit", type=float, default=None,
                         help="what-if: Schedule.PROBE_UNIT for this run (a smaller unit spaces costly probes further)")
     parser.add_argument("--only", default="", help="run only the scenarios whose name contains this")
-    parser.add_argument("--shadow-probes", choices=("always", "after-miss"), default=None,
-                        help="what-if: probes run a plain step and judge their drafts against its tokens (`simulate`)")
+    parser.add_argument("--shadow-probes", choices=("after-miss", "never"), default="after-miss",
+                        help="which probes run a plain step and judge their draft against its token: the schedule's "
+                             "rule (after a missed probe), or the what-if of every probe verified (`simulate`)")
     args = parser.parse_args(argv)
     if args.probe_unit is not None:
         from jaxspec.schedule import Schedule
@@ -173,7 +183,7 @@ def main(argv=None) -> int:
         if args.only not in name:
             continue
         runs = simulate(rates, verify_costs, draft_cost, args.tokens, range(args.seeds), *extra,
-                        shadow_probes=args.shadow_probes)
+                        shadow_probes=args.shadow_probes == "after-miss")
         mean = {field: np.mean([getattr(r, field) for r in runs]) for field in ("rounds", "drafting", "probes")}
         speedup = np.mean([args.tokens / r.cost for r in runs])
         print(f"| {name} | {mean['rounds']:.1f} | {mean['drafting']:.1f} | {mean['probes']:.1f} | {speedup:.3f}x |",

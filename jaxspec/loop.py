@@ -310,7 +310,9 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState, verify_floor) -> De
     rng, draft_rng, verify_rng = jax.random.split(state.rng, 3)
     step = drafter.draft(ctx, state, state.drafter, draft_rng)
     count = jnp.where(state.done, 0, jnp.minimum(step.draft.count, drafter.draft_slots))  # [B] drafts (tree: nodes)
-    checked, cache = _verify_round(spec, ctx, state, step, count, verify_rng, verify_floor)
+    in_shadow = _in_shadow(drafter, step.state, state, count)  # [] bool, or None
+    verified_count = count if in_shadow is None else jnp.where(in_shadow, 0, count)  # a shadow probe: plain step
+    checked, cache = _verify_round(spec, ctx, state, step, verified_count, verify_rng, verify_floor)
     n, verified = checked.accepted, checked.tokens
 
     rows = jnp.arange(count.shape[0])
@@ -330,16 +332,22 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState, verify_floor) -> De
     result = RoundResult(drafted=checked.drafted, accepted=n, committed=committed, tokens=verified,
                          hidden=checked.hidden, lengths=lengths, features=checked.features, on_chain=checked.on_chain,
                          deciding=deciding_rows(state))
+    if in_shadow is not None:
+        # The drafter drafted and sees its first draft rejected (the plain step's token committed, as a rejection
+        # commits the target's); the schedule judges that draft against the token.
+        result = dataclasses.replace(result, drafted=jnp.where(in_shadow, count, result.drafted), in_shadow=in_shadow,
+                                     shadow_hits=(count > 0) & (step.draft.tokens[:, 0] == verified[:, 0]))
     drafter_state = drafter.update(ctx, step.state, result)
     active = ~state.done
     c = state.counters
     counters = Counters(
         rounds=c.rounds + 1,
         draft_forwards=c.draft_forwards + step.forwards,
-        drafted=c.drafted + jnp.where(active, count, 0),
+        drafted=c.drafted + jnp.where(active, verified_count, 0),
         accepted=c.accepted + jnp.where(active, n, 0),
         accepted_hist=c.accepted_hist + (active[:, None] & (jnp.arange(k + 1)[None, :] == n[:, None])),
-        priced_steps=c.priced_steps + _priced_round(drafter, jnp.where(state.done, 0, checked.drafted), count),
+        priced_steps=c.priced_steps + _priced_round(drafter, jnp.where(state.done, 0, checked.drafted), count,
+                                                    in_shadow=in_shadow),
         tree_rounds=c.tree_rounds + (jnp.max(count - checked.drafted) > 0),  # nodes beyond the depth: alternatives
     )
     return dataclasses.replace(state, tokens=tokens, lengths=lengths, done=done, cache=cache, drafter=drafter_state,
@@ -451,7 +459,16 @@ def _process_tree(ctx: Context, logits: jax.Array, state: DecodeState, tree: tre
     return processed.reshape(batch, width, vocab)
 
 
-def _priced_round(drafter: Drafter, count, nodes=None) -> jax.Array:
+def _in_shadow(drafter: Drafter, drafter_state, state: DecodeState, count) -> jax.Array | None:
+    """[] bool: the round is a probe judged in the shadow (`Schedule.in_shadow`, asked of the state the drafter
+    decided its drafts from), and some row drafted; None for drafters without an adaptive schedule's state."""
+    schedule, length = getattr(drafter, "schedule", None), drafter.schedule_state(drafter_state)
+    if schedule is None or length is None or schedule.kind != "adaptive":
+        return None
+    return schedule.in_shadow(length, deciding_rows(state)) & jnp.any(count > 0)
+
+
+def _priced_round(drafter: Drafter, count, nodes=None, in_shadow=None) -> jax.Array:
     """[] what the adaptive schedule's cost model says this round cost, in plain steps, priced as the schedule
     prices a choice: the verify block of the width the round ran (`_verify_round`: the narrowest holding the
     longest draft), `draft_cost` per draft of the longest row, and the fixed cost of a drafting round. 0 for
@@ -463,7 +480,11 @@ def _priced_round(drafter: Drafter, count, nodes=None) -> jax.Array:
         return jnp.zeros((), jnp.float32)
     # A tree round that verified alternatives beside its chain (count: depths; nodes: what the block held).
     branched = jnp.zeros((), bool) if nodes is None else jnp.max(nodes - count) > 0
-    return schedule.round_price(jnp.max(count), jnp.where(branched, schedule.entries_per_draft, 1))
+    price = schedule.round_price(jnp.max(count), jnp.where(branched, schedule.entries_per_draft, 1))
+    if in_shadow is None:
+        return price
+    # A probe judged in the shadow ran the plain step beside its drafts (count: what was drafted; `nodes`, the same).
+    return jnp.where(in_shadow, schedule.shadow_price(jnp.max(nodes)), price)
 
 
 def _maybe(fn, x):

@@ -44,6 +44,9 @@ class DraftLength:
     # (prompt lookup: its match's length; `with_available`); NO_LIMIT otherwise. A row that cannot draft gains
     # nothing from a wide block, so it neither buys one nor probes.
     available: jax.Array
+    # [B] bool, adaptive: the row's last probe was judged in the shadow and its first draft was the token, so its
+    # next probe, due at once, is verified
+    verify_next: jax.Array
 
 
 WIDTH_RULES = ("powers", "ends")
@@ -155,6 +158,9 @@ class Schedule:
     PRIOR_ACCEPTANCE = 0.6  # before any evidence, a row assumes this acceptance ...
     PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
     DECAY = 0.8  # evidence from each earlier drafting round counts this much less
+    # Probes after a missed one are judged in the shadow (`in_shadow`); False verifies every probe (read when the loop
+    # is traced: a what-if of benchmarks/simulate_schedule.py, `--shadow-probes never`)
+    SHADOW_PROBES = True
     PROBE_UNIT = 0.1  # probes that cost up to this (in plain steps) back off 1, 2, 4, ... MAX_COOLDOWN rounds
 
     def init(self, batch: int, initial: jax.Array) -> DraftLength:
@@ -165,7 +171,7 @@ class Schedule:
         return DraftLength(num_tokens=jnp.full((batch,), initial, jnp.int32), misses=zeros, cooldown=zeros,
                            accepted=self.PRIOR_ACCEPTANCE * prior, judged=prior,
                            branch_accepted=self.PRIOR_ACCEPTANCE * prior, branch_judged=prior,
-                           available=jnp.full((batch,), NO_LIMIT, jnp.int32))
+                           available=jnp.full((batch,), NO_LIMIT, jnp.int32), verify_next=jnp.zeros((batch,), bool))
 
     @staticmethod
     def with_available(state: DraftLength, available: jax.Array) -> DraftLength:
@@ -265,8 +271,10 @@ class Schedule:
             return state.num_tokens
         active = _all_rows(state) if active is None else active
         best = self.paying_length(state, active)
-        # Nothing pays: a probe for the whole batch when some row that can draft is out of its cooldown.
-        probe = jnp.where(jnp.any(self._due(state, active)), self.probe_length(), 0)
+        # Nothing pays: a probe for the whole batch when some row that can draft is out of its cooldown; one draft
+        # where it is judged in the shadow, which judges only the first.
+        due = self._due(state, active)
+        probe = jnp.where(jnp.any(due), jnp.where(self._shadow_due(state, due), 1, self.probe_length()), 0)
         chosen = jnp.where(self.forced, self.forced_drafts, jnp.where(best > 0, best, probe))
         return jnp.broadcast_to(chosen, state.num_tokens.shape).astype(jnp.int32)
 
@@ -277,6 +285,27 @@ class Schedule:
             return jnp.zeros((), bool)
         active = _all_rows(state) if active is None else active
         return (self.paying_length(state, active) == 0) & jnp.any(self._due(state, active)) & ~self.forced
+
+    def in_shadow(self, state: DraftLength, active: jax.Array | None = None) -> jax.Array:
+        """[] bool: this round's probe is judged in the shadow. It drafts, but the loop runs the plain step instead of
+        verifying, and the schedule learns whether each row's first draft was the token that step committed. Such a
+        probe costs its drafts' work, not a verify block (0.5-2 plain steps more than a plain one on a CPU), but a
+        hit commits one token, not its drafts. So only a probe that follows a missed one goes in the shadow, for
+        every row it is for: the first probe is verified, and a hit makes the next probe, due at once, verified too
+        (docs/design.md, 'Probes judged in the shadow')."""
+        active = _all_rows(state) if active is None else active
+        return self.probing(state, active) & self._shadow_due(state, self._due(state, active))
+
+    def _shadow_due(self, state: DraftLength, due: jax.Array) -> jax.Array:
+        """[] bool: every row due to probe missed its last probe (and no hit in the shadow asked for a verified one)."""
+        if not self.SHADOW_PROBES:
+            return jnp.zeros((), bool)
+        return jnp.all(jnp.where(due, (state.misses > 0) & ~state.verify_next, True))
+
+    def shadow_price(self, drafts: jax.Array) -> jax.Array:
+        """The cost in plain steps of a round judged in the shadow whose longest row drafts `drafts`: a plain step
+        (the width-1 block) and the drafts' work."""
+        return self.round_price(jnp.zeros_like(drafts)) + self.draft_cost * drafts + self.round_cost * (drafts > 0)
 
     def _due(self, state: DraftLength, active: jax.Array) -> jax.Array:
         """[B] rows that would probe: running, out of their cooldown, with something to propose, and only where some
@@ -343,6 +372,12 @@ class Schedule:
                               jnp.maximum(state.num_tokens - 1, 1))
             return dataclasses.replace(state, num_tokens=jnp.where(active, jnp.minimum(grown, cap),
                                                                    state.num_tokens))
+        if result.in_shadow is not None:  # a probe judged in the shadow judged each row's first draft
+            hits = jnp.where(result.in_shadow, result.shadow_hits.astype(jnp.int32), result.accepted)
+            result = dataclasses.replace(
+                result, drafted=jnp.where(result.in_shadow, jnp.minimum(result.drafted, 1), result.drafted),
+                accepted=hits, on_chain=None if result.on_chain is None else jnp.where(result.in_shadow, hits,
+                                                                                       result.on_chain))
         tried = active & (result.drafted > 0)
         # A tree's chain tokens judge the chain's acceptance: those accepted along the chain, then the one rejected.
         on_chain = result.accepted if result.on_chain is None else result.on_chain
@@ -375,11 +410,21 @@ class Schedule:
         hit = tried & (result.accepted > 0)
         missed = active & probe_round & ~(hit & probe_paid)
         misses = jnp.where(missed, state.misses + 1, jnp.where(hit, 0, state.misses))
+        verify_next = jnp.where(active & probe_round, False, state.verify_next)
+        if result.in_shadow is not None:
+            # A hit in the shadow committed nothing, so it pays nothing: the row keeps its misses (a verified probe
+            # that then misses backs off further, as it would have without the shadow) and is due at once, for a
+            # verified probe. A row that missed backs off as after a verified miss.
+            shadow_hit = result.in_shadow & hit
+            missed = jnp.where(result.in_shadow, active & probe_round & ~hit, missed)
+            misses = jnp.where(result.in_shadow, jnp.where(missed, state.misses + 1, state.misses), misses)
+            verify_next = jnp.where(result.in_shadow, shadow_hit, verify_next)
         backoff = jnp.minimum(jnp.left_shift(1, jnp.clip(misses - 1, 0, 8)), MAX_COOLDOWN) * self.probe_spacing
         cooldown = jnp.where(missed, backoff, jnp.where(active, jnp.maximum(state.cooldown - 1, 0), state.cooldown))
         num_tokens = jnp.where(tried, result.drafted, state.num_tokens)
         return DraftLength(num_tokens=num_tokens, misses=misses, cooldown=cooldown, accepted=accepted, judged=judged,
-                           branch_accepted=branch_accepted, branch_judged=branch_judged, available=state.available)
+                           branch_accepted=branch_accepted, branch_judged=branch_judged, available=state.available,
+                           verify_next=verify_next)
 
 
 def _all_rows(state: DraftLength) -> jax.Array:

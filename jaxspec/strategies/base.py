@@ -25,7 +25,7 @@ from ..cache import KVCache
 from ..head import for_rows
 from ..model_interface import CausalLM
 from ..processors import History, Processing, process
-from ..schedule import verify_widths
+from ..schedule import DraftLength, verify_widths
 from ..tree import DraftTree, TreeBlock, TreeShape
 
 
@@ -137,6 +137,11 @@ class RoundResult:
     # [B] bool: the rows the round's draft length was chosen for (`deciding_rows` before the round), or None (every
     # row that committed), so that `Schedule.update` judges the round by the choice that made it
     deciding: jax.Array | None = None
+    # [] bool, or None where the drafter has no adaptive schedule: the round was a probe judged in the shadow
+    # (`Schedule.in_shadow`). It verified nothing: for the drafter it drafted and had its first draft rejected
+    # (accepted 0, one token committed, the plain step's); the schedule learns from `shadow_hits` instead.
+    in_shadow: jax.Array | None = None
+    shadow_hits: jax.Array | None = None  # [B] bool: the row's first draft was the token its plain step committed
 
     def rows_deciding(self) -> jax.Array:
         """[B] bool: `deciding`, or where it is unset every row that committed (every row that was running)."""
@@ -247,6 +252,17 @@ class Drafter:
     def draft_slots(self) -> int:
         """The most entries a verify block holds after the row's newest token: K for a chain, N for a tree."""
         return self.tree.nodes if self.tree is not None else self.max_draft
+
+    def schedule_state(self, state) -> DraftLength | None:
+        """The adaptive schedule's state within the drafter's `state` (the state itself, or its `length`), for the
+        loop to ask whether a probe is judged in the shadow; None where the drafter has no such state (plain
+        decoding) or its drafts cannot be judged against the plain step's token (a tree's, universal decoding's)."""
+        if self.tree is not None:
+            return None
+        if isinstance(state, DraftLength):
+            return state
+        length = getattr(state, "length", None)
+        return length if isinstance(length, DraftLength) else None
 
     def runtime_inputs(self) -> dict[str, np.ndarray]:
         """Settings that enter the loop as arrays, so new values reuse the executable. A drafter reads them from

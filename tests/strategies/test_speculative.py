@@ -277,6 +277,67 @@ def test_a_batch_backs_off_together_when_its_probe_does_not_pay():
     assert np.allclose(partial.judged[4:], 5.0)
 
 
+def test_a_probe_after_a_miss_is_judged_in_the_shadow():
+    """The first probe is verified; one that follows a missed probe is judged in the shadow (the loop runs the plain
+    step and the schedule learns whether each row's first draft was the token it committed: docs/design.md, 'Probes
+    judged in the shadow'), with one draft. A hit there makes its row due again at once, for a verified probe, and
+    keeps its misses, so that a verified miss then backs off further; a miss backs off as a verified one does. In a
+    batch every due row must have missed, and a hit brings back only the rows that hit."""
+    schedule = Schedule("adaptive", draft_cost=0.3, **CPU_COSTS)
+
+    def idle(rows: int, misses: list[int]):
+        return dataclasses.replace(schedule.init(rows, np.int32(1)), accepted=np.zeros(rows, np.float32),
+                                   judged=np.full(rows, 5.0, np.float32), misses=np.array(misses, np.int32))
+
+    def shadow(hits: list[bool]):  # the round as the loop hands it over: drafted, first draft rejected, 1 committed
+        rows = len(hits)
+        return RoundResult(drafted=np.ones(rows, np.int32), accepted=np.zeros(rows, np.int32),
+                           committed=np.ones(rows, np.int32), tokens=None, hidden=None, lengths=None,
+                           in_shadow=np.bool_(True), shadow_hits=np.array(hits))
+
+    def verified_miss(state):
+        return schedule.update(state, RoundResult(drafted=np.array([1]), accepted=np.array([0]), committed=np.array([1]),
+                                                  tokens=None, hidden=None, lengths=None), cap=7)
+
+    first = idle(1, [0])
+    assert bool(schedule.probing(first)) and not bool(schedule.in_shadow(first))
+    missed_once = verified_miss(first)
+    assert missed_once.misses.tolist() == [1] and missed_once.cooldown[0] > 0
+    after_miss = idle(1, [1])
+    assert bool(schedule.in_shadow(after_miss)) and schedule.allowed(after_miss).tolist() == [1]
+    hit, miss = schedule.update(after_miss, shadow([True]), cap=7), schedule.update(after_miss, shadow([False]), cap=7)
+    assert hit.misses.tolist() == [1] and hit.cooldown.tolist() == [0] and hit.verify_next.tolist() == [True]
+    assert bool(schedule.probing(hit)) and not bool(schedule.in_shadow(hit))  # due at once, verified
+    assert np.allclose(hit.judged, 0.8 * 5 + 1) and np.allclose(hit.accepted, 1)  # one draft judged, and accepted
+    missed_twice = verified_miss(hit)
+    assert missed_twice.misses.tolist() == [2] and not missed_twice.verify_next[0]
+    assert missed_twice.cooldown[0] > missed_once.cooldown[0]
+    assert miss.misses.tolist() == [2] and miss.cooldown[0] > missed_once.cooldown[0]
+    assert np.allclose(miss.judged, 0.8 * 5 + 1) and np.allclose(miss.accepted, 0)
+    assert not bool(schedule.in_shadow(idle(2, [1, 0])))  # a row that has not missed: verified
+    batch = schedule.update(idle(3, [1, 1, 1]), shadow([False, True, False]), cap=7)
+    assert batch.verify_next.tolist() == [False, True, False] and batch.misses.tolist() == [2, 1, 2]
+    assert batch.cooldown[1] == 0 and min(batch.cooldown[0], batch.cooldown[2]) > 0
+    assert float(schedule.shadow_price(np.int32(1))) == pytest.approx(1.0 + 0.3)  # no verify block
+
+
+def test_probes_in_the_shadow_keep_greedy_output_and_verify_less(target, monkeypatch):
+    """End to end, prompt lookup on text whose matches the target does not continue: probes after the first miss
+    run the plain step, so fewer drafts reach a verify block, the schedule's own accounting expects more of the
+    call, and the tokens are plain greedy's."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11]]
+    plain = jaxspec.generate(target, prompts, max_new_tokens=64, eos_token_id=[]).sequences
+    shadowed = jaxspec.generate(target, prompts, max_new_tokens=64, eos_token_id=[], prompt_lookup_num_tokens=3)
+    monkeypatch.setattr(Schedule, "in_shadow", lambda self, state, active=None: np.bool_(False))
+    loop._compiled.clear()
+    verified = jaxspec.generate(target, prompts, max_new_tokens=64, eos_token_id=[], prompt_lookup_num_tokens=3)
+    np.testing.assert_array_equal(shadowed.sequences, plain)
+    np.testing.assert_array_equal(verified.sequences, plain)
+    assert verified.accepted.sum() == shadowed.accepted.sum() == 0
+    assert 0 < shadowed.drafted.sum() < verified.drafted.sum()
+    assert float(shadowed.modelled_speedup) > float(verified.modelled_speedup)
+
+
 def test_a_drafter_that_could_never_pay_never_probes():
     """Probes look for text the drafter predicts. Where not even text it predicts perfectly (d drafts committing d + 1
     tokens) pays for a round, as for an assistant that costs more than the target with its catch-up (universal
