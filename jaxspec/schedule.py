@@ -151,6 +151,9 @@ class Schedule:
     entries_per_draft: int = 1
     chain_costs: tuple[float, ...] = _price()
     node_budget: int = 0  # a tree's N where it keeps fewer than F per depth (its block: min(F d, N) + 1); 0: none
+    # Whether the loop can judge a probe in the shadow for this drafter (`in_shadow`): not a tree's (its first
+    # entry is not the only candidate for the token) nor universal decoding's (its drafts are re-encoded)
+    shadow: bool = True
     # When >= 0 (a run-time input, -1 otherwise), every round drafts this many, chains only, and never probes: how
     # jaxspec/costs.py times a drafting round of the compiled loop itself.
     forced_drafts: int = _price(-1)
@@ -298,7 +301,7 @@ class Schedule:
 
     def _shadow_due(self, state: DraftLength, due: jax.Array) -> jax.Array:
         """[] bool: every row due to probe missed its last probe (and no hit in the shadow asked for a verified one)."""
-        if not self.SHADOW_PROBES:
+        if not (self.SHADOW_PROBES and self.shadow):
             return jnp.zeros((), bool)
         return jnp.all(jnp.where(due, (state.misses > 0) & ~state.verify_next, True))
 
@@ -439,7 +442,7 @@ def tree_entries(depth: int, entries_per_draft: int, node_budget: int = 0) -> in
 
 
 def make_schedule(kind: str, initial: int, max_draft: int, draft_cost: float, round_cost: float = 0.0,
-                  entries_per_draft: int = 1, node_budget: int = 0) -> Schedule:
+                  entries_per_draft: int = 1, node_budget: int = 0, shadow: bool = True) -> Schedule:
     """A schedule; the adaptive one gets the loop's verify widths, their default costs, the cost of one draft and
     the fixed cost of a drafting round. A tree drafter's drafts are depths, each `entries_per_draft` entries (at
     most `node_budget` in all, where it is set)."""
@@ -449,5 +452,5 @@ def make_schedule(kind: str, initial: int, max_draft: int, draft_cost: float, ro
     entries = tuple(tree_entries(w - 1, entries_per_draft, node_budget) for w in widths)
     return Schedule(kind, initial=initial, widths=widths, verify_costs=default_verify_costs(entries),
                     draft_cost=round(float(draft_cost), 3), round_cost=round(float(round_cost), 3),
-                    entries_per_draft=entries_per_draft, node_budget=node_budget,
+                    entries_per_draft=entries_per_draft, node_budget=node_budget, shadow=shadow,
                     chain_costs=default_verify_costs(widths) if entries_per_draft > 1 else ())

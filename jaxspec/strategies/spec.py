@@ -113,10 +113,11 @@ def tree_shape(request: BuildRequest, where: str) -> TreeShape | None:
 
 def tree_pricing(tree: TreeShape | None) -> dict:
     """`make_schedule`'s arguments for how a tree's depths fill its verify block: F entries per depth, N at most (the
-    adaptive schedule prices a depth-d tree as a block of min(F d, N) + 1 entries); none for a chain."""
+    adaptive schedule prices a depth-d tree as a block of min(F d, N) + 1 entries), and every probe verified
+    (`Schedule.shadow`); none for a chain."""
     if tree is None:
         return {}
-    return {"entries_per_draft": tree.branching, "node_budget": tree.nodes if tree.selects else 0}
+    return {"entries_per_draft": tree.branching, "node_budget": tree.nodes if tree.selects else 0, "shadow": False}
 
 
 def tree_schedule(schedule: Schedule, tree: TreeShape) -> Schedule:

@@ -83,6 +83,8 @@ def tokenizer_pair(target, assistant, tokenizer=None, assistant_tokenizer=None):
 def universal_drafter(target, assistant, target_tokenizer, assistant_tokenizer, **settings) -> "UniversalDrafter":
     """The drafter for an assistant with another tokenizer (tables built once per tokenizer pair)."""
     tables = vocab_map(target_tokenizer, assistant_tokenizer, target.config.vocab_size, assistant.config.vocab_size)
+    if "schedule" in settings:  # its probes are all verified (`Schedule.shadow`)
+        settings["schedule"] = dataclasses.replace(settings["schedule"], shadow=False)
     return UniversalDrafter(vocab_map=tables, max_expansion=tables.max_expansion, merge_probes=tables.merges.probes,
                             assistant_merge_probes=tables.assistant_merges.probes,
                             **settings | {"keep_probs": False})  # one-hot drafts: no q to keep

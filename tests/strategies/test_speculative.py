@@ -319,6 +319,10 @@ def test_a_probe_after_a_miss_is_judged_in_the_shadow():
     assert batch.verify_next.tolist() == [False, True, False] and batch.misses.tolist() == [2, 1, 2]
     assert batch.cooldown[1] == 0 and min(batch.cooldown[0], batch.cooldown[2]) > 0
     assert float(schedule.shadow_price(np.int32(1))) == pytest.approx(1.0 + 0.3)  # no verify block
+    # Trees and universal decoding (`Schedule.shadow` off) verify every probe, of the probe's own length.
+    verified_only = dataclasses.replace(schedule, shadow=False)
+    assert not bool(verified_only.in_shadow(after_miss))
+    assert verified_only.allowed(after_miss).tolist() == [int(verified_only.probe_length())]
 
 
 def test_probes_in_the_shadow_keep_greedy_output_and_verify_less(target, monkeypatch):
