@@ -348,7 +348,7 @@ def _round(spec: LoopSpec, ctx: Context, state: DecodeState, verify_floor) -> De
         accepted_hist=c.accepted_hist + (active[:, None] & (jnp.arange(k + 1)[None, :] == n[:, None])),
         priced_steps=c.priced_steps + _priced_round(drafter, jnp.where(state.done, 0, checked.drafted), count,
                                                     in_shadow=in_shadow),
-        tree_rounds=c.tree_rounds + (jnp.max(count - checked.drafted) > 0),  # nodes beyond the depth: alternatives
+        tree_rounds=c.tree_rounds + (jnp.max(verified_count - checked.drafted) > 0),  # nodes beyond the depth
     )
     return dataclasses.replace(state, tokens=tokens, lengths=lengths, done=done, cache=cache, drafter=drafter_state,
                                rng=rng, counters=counters, scores=scores)

@@ -339,6 +339,7 @@ def test_probes_in_the_shadow_keep_greedy_output_and_verify_less(target, monkeyp
     np.testing.assert_array_equal(verified.sequences, plain)
     assert verified.accepted.sum() == shadowed.accepted.sum() == 0
     assert 0 < shadowed.drafted.sum() < verified.drafted.sum()
+    assert int(shadowed.tree_rounds) == 0  # a shadow round verified no block, let alone a tree
     assert float(shadowed.modelled_speedup) > float(verified.modelled_speedup)
 
 
