@@ -461,9 +461,10 @@ def _process_tree(ctx: Context, logits: jax.Array, state: DecodeState, tree: tre
 
 def _in_shadow(drafter: Drafter, drafter_state, state: DecodeState, count) -> jax.Array | None:
     """[] bool: the round is a probe judged in the shadow (`Schedule.in_shadow`, asked of the state the drafter
-    decided its drafts from), and some row drafted; None for drafters without an adaptive schedule's state."""
+    decided its drafts from), and some row drafted; None where no probe can be (no adaptive schedule, or one whose
+    probes are all verified: `Schedule.shadow`, off for trees and universal decoding)."""
     schedule, length = getattr(drafter, "schedule", None), drafter.schedule_state(drafter_state)
-    if schedule is None or length is None or schedule.kind != "adaptive":
+    if schedule is None or length is None or schedule.kind != "adaptive" or not schedule.shadow:
         return None
     return schedule.in_shadow(length, deciding_rows(state)) & jnp.any(count > 0)
 

@@ -254,11 +254,8 @@ class Drafter:
         return self.tree.nodes if self.tree is not None else self.max_draft
 
     def schedule_state(self, state) -> DraftLength | None:
-        """The adaptive schedule's state within the drafter's `state` (the state itself, or its `length`), for the
-        loop to ask whether a probe is judged in the shadow; None where the drafter has no such state (plain
-        decoding) or its drafts cannot be judged against the plain step's token (a tree's, universal decoding's)."""
-        if self.tree is not None:
-            return None
+        """The schedule's state within the drafter's `state` (the state itself, or its `length`), for the loop to ask
+        whether a probe is judged in the shadow; None where the drafter has none (plain decoding)."""
         if isinstance(state, DraftLength):
             return state
         length = getattr(state, "length", None)
