@@ -3,6 +3,7 @@ extremes, the schedules, exact sampling, errors."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -347,7 +348,7 @@ def test_probes_in_the_shadow_keep_greedy_output_and_verify_less(target, monkeyp
 
 @pytest.mark.slow  # ~40 s: 6,000 sampled rows, and 2,000 through a broken shadow round
 @pytest.mark.usefixtures("default_verify_widths")
-def test_sampling_with_probes_in_the_shadow_is_exact(tiny_llama_dir, tmp_path, monkeypatch):
+def test_sampling_with_probes_in_the_shadow_is_exact(tiny_llama_dir, tmp_path):
     """Under sampling, a probe judged in the shadow commits the plain step's draw from the target's law, never its
     draft. Prompt lookup on a bigram model (`oracles.without_attention`) whose prompt follows each token with its
     third likeliest successor: the adaptive schedule drafts those copies, they mostly miss, and later probes are
@@ -368,8 +369,6 @@ def test_sampling_with_probes_in_the_shadow_is_exact(tiny_llama_dir, tmp_path, m
                     prompt_lookup_num_tokens=3, max_matching_ngram_size=1, num_assistant_tokens_schedule="adaptive")
 
     def sampled(count: int, seed: int):
-        loop._compiled.clear()  # the loop is keyed by a spec that cannot see the patches: trace it again
-        jax.clear_caches()
         return oracles.sample_rows(lambda ids, seed: jaxspec.generate(target, ids, seed=seed, **settings), prompt,
                                    count, seed)
 
@@ -381,17 +380,6 @@ def test_sampling_with_probes_in_the_shadow_is_exact(tiny_llama_dir, tmp_path, m
                            in_shadow, state.counters.rounds, jnp.sum(count > 0))
         return in_shadow
 
-    choose = loop._in_shadow
-    monkeypatch.setattr(loop, "_in_shadow", counting)
-    out = sampled(rows, seed=3)
-    assert shadow_rounds and min(r for r, _ in shadow_rounds) < positions - 1, shadow_rounds
-    assert sum(n for _, n in shadow_rounds) >= rows // 4  # most rows drafted in a shadow round
-    new = out.sequences[:, len(prompt):]
-    values = [oracles.goodness_of_fit(new[:, i], exact[i]) for i in range(positions)]
-    assert min(values) > oracles.ALPHA, values
-
-    verify_round = loop._verify_round
-
     def commits_its_draft(spec, ctx, state, step, count, rng, verify_floor):
         """The control: a shadow round (no drafts verified, some drafted) commits a drafting row's first draft."""
         checked, cache = verify_round(spec, ctx, state, step, count, rng, verify_floor)
@@ -399,12 +387,34 @@ def test_sampling_with_probes_in_the_shadow_is_exact(tiny_llama_dir, tmp_path, m
         first = jnp.where(drafted_in_shadow, step.draft.tokens[:, 0], checked.tokens[:, 0])
         return dataclasses.replace(checked, tokens=checked.tokens.at[:, 0].set(first)), cache
 
-    monkeypatch.setattr(loop, "_verify_round", commits_its_draft)
-    broken = sampled(2000, seed=4).sequences[:, len(prompt):]
+    choose, verify_round = loop._in_shadow, loop._verify_round
+    with patched_loop("_in_shadow", counting):
+        out = sampled(rows, seed=3)
+    assert shadow_rounds and min(r for r, _ in shadow_rounds) < positions - 1, shadow_rounds
+    assert sum(n for _, n in shadow_rounds) >= rows // 4  # most rows drafted in a shadow round
+    new = out.sequences[:, len(prompt):]
+    values = [oracles.goodness_of_fit(new[:, i], exact[i]) for i in range(positions)]
+    assert min(values) > oracles.ALPHA, values
+    with patched_loop("_verify_round", commits_its_draft):
+        broken = sampled(2000, seed=4).sequences[:, len(prompt):]
     assert min(oracles.goodness_of_fit(broken[:, i], exact[i]) for i in range(positions)) < 1e-9
-    monkeypatch.undo()
-    loop._compiled.clear()
-    jax.clear_caches()
+
+
+@contextlib.contextmanager
+def patched_loop(name: str, replacement):
+    """jaxspec.loop with `name` replaced inside the block. A compiled loop is keyed by a spec that cannot see the
+    patch, so compiled loops are dropped on the way in and out (also when the block fails)."""
+    def drop_compiled():
+        loop._compiled.clear()
+        jax.clear_caches()
+
+    drop_compiled()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(loop, name, replacement)
+            yield
+    finally:
+        drop_compiled()
 
 
 def test_a_drafter_that_could_never_pay_never_probes():
