@@ -328,16 +328,15 @@ def test_a_probe_after_a_miss_is_judged_in_the_shadow():
     assert verified_only.allowed(after_miss).tolist() == [int(verified_only.probe_length())]
 
 
-def test_probes_in_the_shadow_keep_greedy_output_and_verify_less(target, monkeypatch):
+def test_probes_in_the_shadow_keep_greedy_output_and_verify_less(target):
     """End to end, prompt lookup on text whose matches the target does not continue: probes after the first miss
     run the plain step, so fewer drafts reach a verify block, the schedule's own accounting expects more of the
     call, and the tokens are plain greedy's."""
     prompts = [[5, 6, 7, 8, 9, 10, 11]]
     plain = jaxspec.generate(target, prompts, max_new_tokens=64, eos_token_id=[]).sequences
     shadowed = jaxspec.generate(target, prompts, max_new_tokens=64, eos_token_id=[], prompt_lookup_num_tokens=3)
-    monkeypatch.setattr(Schedule, "in_shadow", lambda self, state, active=None: np.bool_(False))
-    loop._compiled.clear()
-    verified = jaxspec.generate(target, prompts, max_new_tokens=64, eos_token_id=[], prompt_lookup_num_tokens=3)
+    with patched(Schedule, "in_shadow", lambda self, state, active=None: np.bool_(False)):
+        verified = jaxspec.generate(target, prompts, max_new_tokens=64, eos_token_id=[], prompt_lookup_num_tokens=3)
     np.testing.assert_array_equal(shadowed.sequences, plain)
     np.testing.assert_array_equal(verified.sequences, plain)
     assert verified.accepted.sum() == shadowed.accepted.sum() == 0
@@ -388,22 +387,23 @@ def test_sampling_with_probes_in_the_shadow_is_exact(tiny_llama_dir, tmp_path):
         return dataclasses.replace(checked, tokens=checked.tokens.at[:, 0].set(first)), cache
 
     choose, verify_round = loop._in_shadow, loop._verify_round
-    with patched_loop("_in_shadow", counting):
+    with patched(loop, "_in_shadow", counting):
         out = sampled(rows, seed=3)
     assert shadow_rounds and min(r for r, _ in shadow_rounds) < positions - 1, shadow_rounds
     assert sum(n for _, n in shadow_rounds) >= rows // 4  # most rows drafted in a shadow round
     new = out.sequences[:, len(prompt):]
     values = [oracles.goodness_of_fit(new[:, i], exact[i]) for i in range(positions)]
     assert min(values) > oracles.ALPHA, values
-    with patched_loop("_verify_round", commits_its_draft):
+    with patched(loop, "_verify_round", commits_its_draft):
         broken = sampled(2000, seed=4).sequences[:, len(prompt):]
     assert min(oracles.goodness_of_fit(broken[:, i], exact[i]) for i in range(positions)) < 1e-9
 
 
 @contextlib.contextmanager
-def patched_loop(name: str, replacement):
-    """jaxspec.loop with `name` replaced inside the block. A compiled loop is keyed by a spec that cannot see the
-    patch, so compiled loops are dropped on the way in and out (also when the block fails)."""
+def patched(owner, name: str, replacement):
+    """`owner.name` (a jaxspec module's function or a class's method) replaced inside the block. A compiled loop is
+    keyed by a spec that cannot see the patch, so compiled loops are dropped on the way in and out (also when the
+    block fails): none compiled under the patch serves a later call."""
     def drop_compiled():
         loop._compiled.clear()
         jax.clear_caches()
@@ -411,7 +411,7 @@ def patched_loop(name: str, replacement):
     drop_compiled()
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(loop, name, replacement)
+            patch.setattr(owner, name, replacement)
             yield
     finally:
         drop_compiled()
