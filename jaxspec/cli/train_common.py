@@ -1,6 +1,7 @@
 """What the training command lines (`jaxspec-train-mtp`, `jaxspec-train-dflash`, `jaxspec-train-eagle3`) share: the
-data flags, the data cache's folder, building (or reading back) a tapped corpus, timing the target's generation on
-this machine for the time estimate, and the summary a finished run writes and prints."""
+data and run flags and their checks, loading a tapped drafter's target, the data cache's folder, building (or
+reading back) a tapped corpus, timing the target's generation on this machine for the time estimate, and the summary
+a finished run writes and prints."""
 
 from __future__ import annotations
 
@@ -46,15 +47,75 @@ def add_data_flags(p: argparse.ArgumentParser, *, stdlib_windows: int, heldout_p
 
 def check_data_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """`p.error` (exit 2) on a data flag no recipe can use."""
-    for name in ("train_prompts", "heldout_prompts", "gen_batch_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_at_least_one(p, args, ("train_prompts", "heldout_prompts", "gen_batch_size"))
     if args.stdlib_windows < 0:
         p.error("--stdlib-windows must be >= 0")
     if not 0.0 <= args.stdlib_share <= 1.0:
         p.error("--stdlib-share must be between 0 and 1")
     if not 0 < args.max_prompt_len < args.seq_len:
         p.error("--max-prompt-len must be between 1 and --seq-len - 1 (generations need room)")
+
+
+def add_run_flags(p: argparse.ArgumentParser, kind: str, *, steps: int, batch_size: int, lr: float, eval_every: int,
+                  batch_help: str = "rows per train step") -> None:
+    """The flags of a training run that every trainer has: its length and optimiser, how often it evaluates and
+    checkpoints, where it keeps its work (`kind`: "mtp", "dflash" or "eagle3", the default workdir's suffix), and
+    stopping early or before any work. The defaults that differ between trainers are arguments."""
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch-size", type=int, default=batch_size, help=batch_help)
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate (AdamW, warmup then cosine decay)")
+    p.add_argument("--warmup", type=int, default=50, help="warmup steps")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--eval-every", type=int, default=eval_every, help="held-out acceptance every this many steps")
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=None, help=f"data cache, checkpoints and plot (default: "
+                   f"$JAXSPEC_CACHE/train/<model>-{kind}, i.e. ~/.cache/jaxspec/train/...)")
+    p.add_argument("--stop-after", type=int, default=None, help="stop at this step (rerun to resume)")
+    p.add_argument("--estimate-only", action="store_true", help="print the run's estimate (time, and the corpus's memory) and exit")
+
+
+def check_run_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`p.error` (exit 2) on a run flag no training run can use."""
+    check_at_least_one(p, args, ("steps", "batch_size", "eval_every", "checkpoint_every"))
+    if not args.lr > 0:
+        p.error("--lr must be positive")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    if args.weight_decay < 0:
+        p.error("--weight-decay must be >= 0")
+    if args.stop_after is not None and args.stop_after < 1:
+        p.error("--stop-after must be >= 1 (a step of the run)")
+
+
+def check_at_least_one(p: argparse.ArgumentParser, args: argparse.Namespace, names) -> None:
+    """`p.error` naming the first of the integer flags `names` (attribute names) that is below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def parse_target_layers(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--target-layers, comma-separated integers, as a tuple in place (None stays None)."""
+    if args.target_layers is None:
+        return
+    try:
+        args.target_layers = tuple(int(x) for x in args.target_layers.split(","))
+    except ValueError:
+        p.error(f"--target-layers must be comma-separated integers, got {args.target_layers!r}")
+
+
+def load_tapped_target(name: str):
+    """The target a tapped drafter (DFlash, EAGLE-3) trains for, without MTP layers (a catalogue model has them),
+    or None after saying why on stderr: the prompts need a tokenizer."""
+    import jaxspec
+    from jaxspec.assets import strip_mtp
+
+    model = strip_mtp(jaxspec.load(name, progress=True))
+    if model.tokenizer is None:
+        print(f"{name} has no tokenizer; the prompts need one.", file=sys.stderr)
+        return None
+    return model
 
 
 def data_recipe(args: argparse.Namespace, model, **extra: Any) -> dict[str, Any]:

@@ -35,8 +35,9 @@ import os
 import sys
 import time
 
-from .train_common import (add_data_flags, cached_tapped_corpora, check_data_flags, data_recipe, default_workdir,
-                           estimate_tapped_run, print_timing, report_training, tapped_corpora, tapped_data_rates, timed)
+from .train_common import (add_data_flags, add_run_flags, cached_tapped_corpora, check_at_least_one, check_data_flags,
+                           check_run_flags, data_recipe, default_workdir, estimate_tapped_run, load_tapped_target,
+                           parse_target_layers, print_timing, report_training, tapped_corpora, tapped_data_rates, timed)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -60,33 +61,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     # would not have produced there, which its own answers never are. The held-out replay drafts at every position
     # of every answer (W-1 head rows each), so its set is smaller than jaxspec-train-mtp's.
     add_data_flags(p, stdlib_windows=0, heldout_prompts=32)
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--batch-size", type=int, default=4, help="rows per train step")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--eval-every", type=int, default=500)
-    p.add_argument("--checkpoint-every", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workdir", default=None, help="data cache, checkpoints and plot (default: "
-                   "$JAXSPEC_CACHE/train/<model>-dflash, i.e. ~/.cache/jaxspec/train/...)")
+    add_run_flags(p, "dflash", steps=3000, batch_size=4, lr=1e-3, eval_every=500)
     p.add_argument("--out", default=None, help="write the trained drafter to this folder (z-lab's layout)")
-    p.add_argument("--stop-after", type=int, default=None, help="stop at this step (rerun to resume)")
-    p.add_argument("--estimate-only", action="store_true", help="print the time and memory estimate and exit")
     args = p.parse_args(argv)
     check_data_flags(p, args)
-    if args.layers < 1:
-        p.error("--layers must be >= 1")
+    check_run_flags(p, args)
+    check_at_least_one(p, args, ("layers", "anchors"))
     if args.block_size < 2:
         p.error("--block-size must be >= 2 (the bonus token and at least one mask token)")
-    if args.target_layers is not None:
-        try:
-            args.target_layers = tuple(int(x) for x in args.target_layers.split(","))
-        except ValueError:
-            p.error(f"--target-layers must be comma-separated integers, got {args.target_layers!r}")
-    for name in ("anchors", "steps", "batch_size", "eval_every", "checkpoint_every"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    parse_target_layers(p, args)
     if args.anchors > args.seq_len - 2:
         p.error(f"--anchors {args.anchors} exceeds the {args.seq_len - 2} positions a row of --seq-len tokens can "
                 "anchor a block at")
@@ -97,16 +80,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import jaxspec
-    from jaxspec.assets import strip_mtp
     from jaxspec.train import DFlashTrainConfig, OptimConfig, data, dflash_data, new_dflash_drafter, train_dflash
     from jaxspec.train.dflash_loop import plot_dflash_history
 
     workdir = args.workdir or default_workdir(args.model, "dflash")
     os.makedirs(workdir, exist_ok=True)
-    model = strip_mtp(jaxspec.load(args.model, progress=True))  # the target alone (a catalogue model has MTP layers)
-    if model.tokenizer is None:
-        print(f"{args.model} has no tokenizer; the prompts need one.", file=sys.stderr)
+    model = load_tapped_target(args.model)
+    if model is None:
         return 2
     # Every setting is checked on a drafter built now (the mask token is settled once the data exists).
     try:

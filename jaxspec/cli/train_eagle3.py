@@ -37,8 +37,9 @@ import os
 import sys
 import time
 
-from .train_common import (add_data_flags, cached_tapped_corpora, check_data_flags, data_recipe, default_workdir,
-                           estimate_tapped_run, print_timing, report_training, tapped_corpora, tapped_data_rates, timed,
+from .train_common import (add_data_flags, add_run_flags, cached_tapped_corpora, check_at_least_one, check_data_flags,
+                           check_run_flags, data_recipe, default_workdir, estimate_tapped_run, load_tapped_target,
+                           parse_target_layers, print_timing, report_training, tapped_corpora, tapped_data_rates, timed,
                            workdir_path)
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -58,36 +59,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="TTT step i's loss weight is step-decay**i (SpecForge's ploss_decay)")
     p.add_argument("--eval-drafts", type=int, default=7, help="held-out acceptance for 1 .. this many drafts a round")
     add_data_flags(p, stdlib_windows=0, heldout_prompts=32)
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch-size", type=int, default=4, help="rows per train step (every index of a row is a round)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--eval-every", type=int, default=250)
-    p.add_argument("--checkpoint-every", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workdir", default=None, help="checkpoints, plot and a corpus built here (default: "
-                   "$JAXSPEC_CACHE/train/<model>-eagle3, i.e. ~/.cache/jaxspec/train/...)")
+    add_run_flags(p, "eagle3", steps=2000, batch_size=4, lr=1e-3, eval_every=250,
+                  batch_help="rows per train step (every index of a row is a round)")
     p.add_argument("--data-from", default=None,
                    help="another workdir whose cached corpus to reuse when its recipe is this run's (default: "
                         "jaxspec-train-dflash's default workdir for the model)")
     p.add_argument("--out", default=None, help="write the trained head to this folder (LlamaForCausalLMEagle3)")
     p.add_argument("--export-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="the exported weights' dtype")
-    p.add_argument("--stop-after", type=int, default=None, help="stop at this step (rerun to resume)")
-    p.add_argument("--estimate-only", action="store_true", help="print the time and memory estimate and exit")
     args = p.parse_args(argv)
     check_data_flags(p, args)
-    if args.target_layers is not None:
-        try:
-            args.target_layers = tuple(int(x) for x in args.target_layers.split(","))
-        except ValueError:
-            p.error(f"--target-layers must be comma-separated integers, got {args.target_layers!r}")
-        if len(args.target_layers) != 3 or len(set(args.target_layers)) != 3:
-            p.error(f"--target-layers must name three distinct layers, got {list(args.target_layers)}")
-    for name in ("draft_vocab", "ttt_steps", "eval_drafts", "steps", "batch_size", "eval_every", "checkpoint_every"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_run_flags(p, args)
+    parse_target_layers(p, args)
+    if args.target_layers is not None and (len(args.target_layers) != 3 or len(set(args.target_layers)) != 3):
+        p.error(f"--target-layers must name three distinct layers, got {list(args.target_layers)}")
+    check_at_least_one(p, args, ("draft_vocab", "ttt_steps", "eval_drafts"))
     if not args.step_decay > 0:
         p.error("--step-decay must be positive")
     return args
@@ -98,17 +84,14 @@ def main(argv=None) -> int:
     import ml_dtypes
     import numpy as np
 
-    import jaxspec
-    from jaxspec.assets import strip_mtp
     from jaxspec.train import Eagle3TrainConfig, OptimConfig, data, dflash_data, new_eagle3_head, train_eagle3
     from jaxspec.train.eagle3_export import draft_vocabulary_for, vocabulary_coverage
     from jaxspec.train.eagle3_loop import plot_eagle3_history
 
     workdir = args.workdir or default_workdir(args.model, "eagle3")
     os.makedirs(workdir, exist_ok=True)
-    model = strip_mtp(jaxspec.load(args.model, progress=True))  # the target alone (a catalogue model has MTP layers)
-    if model.tokenizer is None:
-        print(f"{args.model} has no tokenizer; the prompts need one.", file=sys.stderr)
+    model = load_tapped_target(args.model)
+    if model is None:
         return 2
     vocab_size = model.config.vocab_size
     draft_size = min(args.draft_vocab, vocab_size)

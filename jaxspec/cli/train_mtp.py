@@ -30,8 +30,8 @@ import os
 import sys
 import time
 
-from .train_common import (add_data_flags, check_data_flags, data_folder, data_recipe, default_workdir,
-                           generation_seconds, generation_step_seconds, report_training)
+from .train_common import (add_data_flags, add_run_flags, check_data_flags, check_run_flags, data_folder, data_recipe,
+                           default_workdir, generation_seconds, generation_step_seconds, report_training)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -47,22 +47,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="record this as the asset's draft length for use_mtp when generate gets none (default: one "
                         "per layer); benchmarks/bench_mtp.py measures which K pays")
     add_data_flags(p, stdlib_windows=192)
-    p.add_argument("--steps", type=int, default=1400)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--checkpoint-every", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workdir", default=None, help="data cache, checkpoints and plot (default: "
-                   "$JAXSPEC_CACHE/train/<model>-mtp, i.e. ~/.cache/jaxspec/train/...)")
+    add_run_flags(p, "mtp", steps=1400, batch_size=8, lr=2e-3, eval_every=50)
     p.add_argument("--asset", default=None, help="write the MTP layers as an asset folder (MTP tensors only)")
     p.add_argument("--out", default=None, help="write the whole model as a conversion folder")
-    p.add_argument("--stop-after", type=int, default=None, help="stop at this step (rerun to resume)")
-    p.add_argument("--estimate-only", action="store_true", help="print the time estimate and exit")
     args = p.parse_args(argv)
     check_data_flags(p, args)
+    check_run_flags(p, args)
     if args.layers is not None and args.layers < 1:
         p.error("--layers must be >= 1")
     if args.default_drafts is not None and args.default_drafts < 1:

@@ -299,7 +299,8 @@ def test_train_script_writes_a_drafter_that_decodes(tmp_path):
 
 def test_shipped_drafter_fits_smollm2():
     """The catalogue's SmolLM2 names a shipped DFlash drafter that loads by name (without the target) for
-    SmolLM2-135M's shapes, with the held-out acceptance its training measured (the slow test decodes with it)."""
+    SmolLM2-135M's shapes, with the held-out acceptance its training measured (tests/train/test_trainers_shared.py
+    decodes with it)."""
     import json
     import os
 
@@ -316,30 +317,3 @@ def test_shipped_drafter_fits_smollm2():
     with open(os.path.join(folder, "training.json"), encoding="utf-8") as handle:
         heldout = json.load(handle)["heldout"]["acceptance"]
     assert heldout[str(cfg.block_size - 1)]["tokens_per_round"] > 1.3
-
-
-@pytest.mark.slow
-def test_smollm2_decodes_with_its_shipped_drafter(capsys):
-    """`--strategy dflash` runs on the default model with no other step; DFlash equals plain greedy and accepts
-    drafts."""
-    import json
-
-    from jaxspec import catalog
-
-    try:
-        catalog.find_part_files(catalog.get_entry("smollm2-135m"))
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-    model, drafter = jaxspec.load("smollm2-135m"), jaxspec.load("smollm2-135m-dflash")
-    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": "How do I sort a list in Python?"}],
-                                              add_generation_prompt=True, tokenize=True, return_dict=False)
-    plain = jaxspec.generate(model, [ids], max_new_tokens=48)
-    out = jaxspec.generate(model, [ids], max_new_tokens=48, assistant_model=drafter,
-                           num_assistant_tokens_schedule="constant")
-    np.testing.assert_array_equal(out.sequences, plain.sequences)
-    assert out.strategy == "dflash" and out.mean_accepted_length > 1.2
-    from jaxspec.cli import generate as cli
-
-    assert cli.main(["--strategy", "dflash", "--max-new-tokens", "16", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["strategy"] == "dflash"

@@ -505,7 +505,8 @@ def test_train_script_writes_a_head_that_decodes(tmp_path):
 
 def test_shipped_head_fits_smollm2():
     """The catalogue's SmolLM2 names a shipped EAGLE-3 head that loads by name (without the target) for
-    SmolLM2-135M's shapes, with the held-out acceptance its training measured (the slow test decodes with it)."""
+    SmolLM2-135M's shapes, with the held-out acceptance its training measured (tests/train/test_trainers_shared.py
+    decodes with it)."""
     from jaxspec import catalog
     from jaxspec.assets import asset_folder
 
@@ -518,28 +519,3 @@ def test_shipped_head_fits_smollm2():
     with open(os.path.join(folder, "training.json"), encoding="utf-8") as handle:
         heldout = json.load(handle)["heldout"]["acceptance"]
     assert heldout["4"]["tokens_per_round"] > 1.5
-
-
-@pytest.mark.slow
-def test_smollm2_decodes_with_its_shipped_head(capsys):
-    """`--strategy eagle3` runs on the default model with no other step; the head equals plain greedy and accepts
-    drafts."""
-    from jaxspec import catalog
-
-    try:
-        catalog.find_part_files(catalog.get_entry("smollm2-135m"))
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-    model, head = jaxspec.load("smollm2-135m"), jaxspec.load("smollm2-135m-eagle3")
-    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": "How do I sort a list in Python?"}],
-                                              add_generation_prompt=True, tokenize=True, return_dict=False)
-    plain = jaxspec.generate(model, [ids], max_new_tokens=48)
-    out = jaxspec.generate(model, [ids], max_new_tokens=48, assistant_model=head,
-                           num_assistant_tokens_schedule="constant")
-    np.testing.assert_array_equal(out.sequences, plain.sequences)
-    assert out.strategy == "eagle3" and out.mean_accepted_length > 1.3
-    from jaxspec.cli import generate as cli
-
-    assert cli.main(["--strategy", "eagle3", "--max-new-tokens", "16", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["strategy"] == "eagle3"

@@ -393,7 +393,7 @@ SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermedia
 
 def test_shipped_asset_fits_smollm2():
     """The catalogue's SmolLM2 names a shipped asset whose tensors convert for SmolLM2-135M's shapes (checked
-    without the checkpoint; the slow test below loads the real one)."""
+    without the checkpoint; tests/train/test_trainers_shared.py decodes with the real one)."""
     from jaxspec import catalog
     from jaxspec.assets import MTP_FILE, asset_folder
     from jaxspec.convert.llama import convert_mtp_layers
@@ -422,30 +422,3 @@ def test_shipped_asset_is_package_data():
     files = [os.path.relpath(os.path.join(d, n), assets) for d, _, names in os.walk(assets) for n in names
              if d != assets and "__pycache__" not in d]
     assert files and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in files), (files, patterns)
-
-
-@pytest.mark.slow
-def test_smollm2_decodes_with_its_shipped_layers(capsys):
-    """`jaxspec.load("smollm2-135m")` has the shipped MTP layers; use_mtp equals plain greedy and accepts drafts;
-    the CLI's --strategy mtp runs on it with no other step."""
-
-    from jaxspec import catalog
-
-    entry = catalog.get_entry("smollm2-135m")
-    try:
-        catalog.find_part_files(entry)
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-    model = jaxspec.load("smollm2-135m")
-    assert model.config.num_mtp_layers >= 1 and model.config.draft_vocab_size > 0
-    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": "How do I sort a list in Python?"}],
-                                              add_generation_prompt=True, tokenize=True, return_dict=False)
-    plain = jaxspec.generate(model, [ids], max_new_tokens=48)
-    out = jaxspec.generate(model, [ids], max_new_tokens=48, use_mtp=True)
-    np.testing.assert_array_equal(out.sequences, plain.sequences)
-    assert out.acceptance_rate > 0.3
-    from jaxspec.cli import generate as cli
-
-    assert cli.main(["--strategy", "mtp", "--max-new-tokens", "16", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["draft_forwards"] > 0
