@@ -20,7 +20,6 @@ before and after every broken run.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import textwrap
@@ -34,11 +33,11 @@ import torch
 from transformers.generation import logits_process as hf
 
 import jaxspec
-from jaxspec import loop as loop_module
 from jaxspec import tree as tree_module
 from jaxspec import verify as verify_module
 from jaxspec.strategies import draft_model, mtp
 from tests.fixtures import hf_models, oracles
+from tests.fixtures.patching import replaced
 
 K = 3
 PROMPT = [5, 6, 7, 8]
@@ -130,22 +129,9 @@ def mutated(mutation: Mutation) -> Callable:
     return namespace[mutation.name]
 
 
-def drop_compiled() -> None:
-    loop_module._compiled.clear()
-    jax.clear_caches()
-
-
-@contextlib.contextmanager
 def broken(*mutations: Mutation):
     """jaxspec with the mutations applied; no compiled loop crosses the boundary in either direction."""
-    drop_compiled()
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            for mutation in mutations:
-                patch.setattr(mutation.owner, mutation.name, mutated(mutation))
-            yield
-    finally:
-        drop_compiled()
+    return replaced(*((mutation.owner, mutation.name, mutated(mutation)) for mutation in mutations))
 
 
 RESIDUAL = "residual = jnp.where(rejected[:, None], jnp.maximum(p_n - q_n, 0.0), p_n)"

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 import jaxspec
 from tests.fixtures import hf_models
+from tests.fixtures.patching import patched
 from tests.fixtures.prompts import PROMPTS, left_padded
 
 from jaxspec import loop
@@ -130,14 +131,12 @@ class GatedCompiler(concurrent.futures.ThreadPoolExecutor):
 
 
 @pytest.fixture
-def gated_compiler(monkeypatch):
+def gated_compiler():
     compiler = GatedCompiler(limit=120.0)
-    monkeypatch.setattr(loop, "_COMPILER", compiler)
-    loop._compiled.clear()  # compile again, through the gate
-    yield compiler
-    compiler.release.set()
-    compiler.shutdown(wait=True)
-    loop._compiled.clear()  # a loop compiled here is not shared with later tests
+    with patched(loop, jax_caches=False, _COMPILER=compiler):  # loops compile again, through the gate
+        yield compiler
+        compiler.release.set()
+        compiler.shutdown(wait=True)
 
 
 def test_streamed_first_tokens_come_before_the_round_loop_has_compiled(llama, gated_compiler):

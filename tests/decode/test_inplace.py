@@ -14,6 +14,7 @@ from jaxspec import inplace
 
 from jaxspec import loop
 from jaxspec.prompts import min_buffer
+from tests.fixtures.patching import patched
 
 
 def _branches():
@@ -26,12 +27,10 @@ def _branches():
 
 
 @pytest.fixture(params=inplace.MODES)
-def mode(request, monkeypatch):
+def mode(request):
     """Each way a branch can run (JAXSPEC_BRANCHES): in place, as while loops of zero or one trip, or lax's."""
-    monkeypatch.setattr(inplace, "MODE", request.param)
-    loop._compiled.clear()  # loops compiled under the other mode
-    yield request.param
-    loop._compiled.clear()
+    with patched(inplace, jax_caches=False, MODE=request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("index", [0, 1, 2])
@@ -120,21 +119,19 @@ def test_attention_copies_no_layer_cache(tmp_path, family):
 
 # Slow: a knob for accelerator A/Bs, not a default (an H200 timed it no faster: docs/design.md, 'On a GPU').
 @pytest.mark.slow
-def test_lax_branches_decode_the_same_tokens_with_conditionals_in_the_loop(tiny_llama_dir, monkeypatch):
+def test_lax_branches_decode_the_same_tokens_with_conditionals_in_the_loop(tiny_llama_dir):
     """JAXSPEC_BRANCHES=lax, the A/B for accelerators: the same greedy tokens as the in-place branches, from a
     rounds loop in which the in-place branches' while loops became XLA conditionals."""
     target = jaxspec.load(tiny_llama_dir)
     outputs, conditionals, loops = {}, {}, {}
     for mode in inplace.MODES:
-        monkeypatch.setattr(inplace, "MODE", mode)
-        loop._compiled.clear()
-        out = jaxspec.generate(target, [[5, 6, 7, 8, 5, 6], [9, 3]], max_new_tokens=12, eos_token_id=[],
-                               prompt_lookup_num_tokens=4)
-        (text,) = [compiled.as_text() for compiled in loop.compiled("rounds")]
+        with patched(inplace, jax_caches=False, MODE=mode):
+            out = jaxspec.generate(target, [[5, 6, 7, 8, 5, 6], [9, 3]], max_new_tokens=12, eos_token_id=[],
+                                   prompt_lookup_num_tokens=4)
+            (text,) = [compiled.as_text() for compiled in loop.compiled("rounds")]
         outputs[mode] = [out.new_tokens(row).tolist() for row in range(2)]
         conditionals[mode] = len(re.findall(r" conditional\(", text))
         loops[mode] = len(re.findall(r" while\(", text))
-    loop._compiled.clear()
     assert outputs["lax"] == outputs["inplace"]
     assert conditionals["lax"] > conditionals["inplace"] and loops["lax"] < loops["inplace"], (conditionals, loops)
 

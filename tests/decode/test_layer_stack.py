@@ -18,6 +18,7 @@ from jaxspec import costs, loop
 from jaxspec import layer_stack as stacks
 from jaxspec.strategies.base import run_tapped_layers
 from tests.fixtures import hf_models
+from tests.fixtures.patching import patched
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6, 7], [3, 4, 5], [20, 21, 22, 23, 24, 25, 20, 21, 22]]
 
@@ -86,7 +87,7 @@ def test_looped_gemma_periods_compute_the_unrolled_forward(monkeypatch, tmp_path
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
-def _rounds_fusions(monkeypatch, model, **strategy) -> tuple[int, np.ndarray]:
+def _rounds_fusions(model, **strategy) -> tuple[int, np.ndarray]:
     """(fusions in the compiled round loop, the tokens) of a fresh compile of `generate(model, ...)`."""
     compiled = []
     compile_lowered = jax.stages.Lowered.compile
@@ -96,16 +97,14 @@ def _rounds_fusions(monkeypatch, model, **strategy) -> tuple[int, np.ndarray]:
         compiled.append(executable.as_text())
         return executable
 
-    with monkeypatch.context() as patch:
-        patch.setattr(jax.stages.Lowered, "compile", recording_compile)
-        loop._compiled.clear()
+    with patched(jax.stages.Lowered, jax_caches=False, compile=recording_compile):
         out = jaxspec.generate(model, PROMPTS, max_new_tokens=12, **strategy)
     rounds = [text for text in compiled if "while" in text and "jit__rounds" in text]
     assert len(rounds) == 1
     return len(re.findall(r"^  %\S+ = \S+ fusion\(", rounds[0], re.MULTILINE)), out.sequences
 
 
-def _growth_with_depth(monkeypatch, build, depths, **strategy) -> tuple[int, int]:
+def _growth_with_depth(build, depths, **strategy) -> tuple[int, int]:
     """(fusions the compiled plain-decoding loop gains from the shallower model to the deeper, fusions the
     `strategy` loop gains), each model's strategy tokens checked against its plain greedy tokens on the way. Plain
     decoding runs one forward, a single token wide, so its gain is what the added layers cost one forward: a loop
@@ -114,8 +113,8 @@ def _growth_with_depth(monkeypatch, build, depths, **strategy) -> tuple[int, int
     fusions = []
     for depth in depths:
         model = build(depth)
-        plain, expected = _rounds_fusions(monkeypatch, model)
-        drafting, tokens = _rounds_fusions(monkeypatch, model, **strategy)
+        plain, expected = _rounds_fusions(model)
+        drafting, tokens = _rounds_fusions(model, **strategy)
         np.testing.assert_array_equal(tokens, expected)
         fusions.append((plain, drafting))
     (plain_shallow, drafting_shallow), (plain_deep, drafting_deep) = fusions
@@ -123,7 +122,7 @@ def _growth_with_depth(monkeypatch, build, depths, **strategy) -> tuple[int, int
 
 
 @pytest.mark.usefixtures("default_verify_widths")
-def test_wide_blocks_compile_one_layer_and_decode_the_same_tokens(monkeypatch, tmp_path):
+def test_wide_blocks_compile_one_layer_and_decode_the_same_tokens(tmp_path):
     """`auto` loops Llama. Prompt lookup at K = 4 verifies blocks of 2, 4 and 5 beside the one-token step: four more
     layers (4 -> 8) add four forwards' worth of fusions unrolled; looped, what they add to plain decoding. (Measured:
     plain decoding's loop gained 120 fusions, prompt lookup's 116 looped and 476 with JAXSPEC_LAYER_STACK=off, which
@@ -132,7 +131,7 @@ def test_wide_blocks_compile_one_layer_and_decode_the_same_tokens(monkeypatch, t
     def build(depth):
         return jaxspec.load(hf_models.save_tiny("llama", tmp_path / f"llama{depth}", seed=2, num_hidden_layers=depth))
 
-    plain_growth, lookup_growth = _growth_with_depth(monkeypatch, build, (4, 8), prompt_lookup_num_tokens=4)
+    plain_growth, lookup_growth = _growth_with_depth(build, (4, 8), prompt_lookup_num_tokens=4)
     assert plain_growth > 0
     assert lookup_growth <= 1.5 * plain_growth, (lookup_growth, plain_growth)  # unrolled: about 4x
 
@@ -152,7 +151,7 @@ def test_gemma_asked_to_loop_compiles_one_layer_of_each_type_and_decodes_the_sam
         models[depth] = jaxspec.load(folder)
         return models[depth]
 
-    plain_growth, lookup_growth = _growth_with_depth(monkeypatch, build, (6, 9), prompt_lookup_num_tokens=4)
+    plain_growth, lookup_growth = _growth_with_depth(build, (6, 9), prompt_lookup_num_tokens=4)
     assert plain_growth > 0
     assert lookup_growth <= 1.5 * plain_growth, (lookup_growth, plain_growth)
     model = models[9]

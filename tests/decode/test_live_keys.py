@@ -16,6 +16,7 @@ import jaxspec
 from jaxspec import loop
 from jaxspec.models import layers as L
 from tests.fixtures import hf_models
+from tests.fixtures.patching import drop_compiled
 
 
 def test_key_extents_double_from_the_minimum_to_the_cache_size():
@@ -47,11 +48,9 @@ def small_prefixes(monkeypatch):
 @pytest.fixture
 def fresh_executables():
     """Compiled loops are dropped before and after, so no executable crosses a change of the prefixes."""
-    loop._compiled.clear()
-    jax.clear_caches()
+    drop_compiled()
     yield
-    loop._compiled.clear()
-    jax.clear_caches()
+    drop_compiled()
 
 
 ATTENTIONS = {

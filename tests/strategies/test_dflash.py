@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import jaxspec
-from jaxspec import loop
 from jaxspec.strategies import dflash as dflash_strategy
 from tests.fixtures import dflash as dflash_fixtures
 from tests.fixtures import hf_models, oracles
+from tests.fixtures.patching import patched
 
 BLOCK = 5  # block_size: the bonus token and 4 mask tokens, 4 drafts a block
 DRAFTER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -132,14 +132,9 @@ def test_drafted_blocks_and_accepted_counts_equal_transformers(agreeing_pair, mo
         jax.debug.callback(record_accepted, result.accepted, ordered=True)
         return real_update_state(self, ctx, state, result)
 
-    monkeypatch.setattr(dflash_strategy.BlockDrafter, "draft", draft)
-    monkeypatch.setattr(dflash_strategy.BlockDrafter, "update", update)
-    loop._compiled.clear()
-    try:
+    with patched(dflash_strategy.BlockDrafter, jax_caches=False, draft=draft, update=update):
         jaxspec.generate(target, PROMPTS[2:], max_new_tokens=24, eos_token_id=[], assistant_model=drafter,
                          num_assistant_tokens_schedule="constant")
-    finally:
-        loop._compiled.clear()  # the recording loop must not serve a later test
     jax.effects_barrier()
     jax_rounds = [(drafts, accepted) for (kind, drafts), (_, accepted) in zip(jax_events, jax_events[1:])
                   if kind == "drafts"]
@@ -163,7 +158,7 @@ def _sampled_first_tokens(target, drafter, rows: int):
     return out, out.sequences[:, len(prompt):]
 
 
-def test_sampling_is_exact_and_a_lossy_q_is_caught(pair, monkeypatch):
+def test_sampling_is_exact_and_a_lossy_q_is_caught(pair):
     """4000 rows: the first three tokens follow the target's processed law (here, at TEMPERATURE). The control takes
     q from the drafter's logits before processing (the lossy slip transformers makes in its Gemma 4 path) and must be
     rejected by the same check."""
@@ -178,15 +173,8 @@ def test_sampling_is_exact_and_a_lossy_q_is_caught(pair, monkeypatch):
     def raw_q(processed):  # q at temperature 1 (processed logits are the raw ones over TEMPERATURE)
         return jax.nn.softmax(processed * TEMPERATURE, axis=-1)
 
-    monkeypatch.setattr(dflash_strategy, "draft_distribution", raw_q)
-    loop._compiled.clear()
-    jax.clear_caches()
-    try:
+    with patched(dflash_strategy, draft_distribution=raw_q):
         _, lossy = _sampled_first_tokens(target, drafter, 4000)
-    finally:
-        monkeypatch.undo()
-        loop._compiled.clear()
-        jax.clear_caches()
     p_values = [oracles.goodness_of_fit(lossy[:, i], exact[i]) for i in range(3)]
     assert min(p_values) < 1e-6, p_values
 
@@ -244,7 +232,7 @@ def test_the_references_sample_exactly(pair):
         assert min(oracles.goodness_of_fit(samples[:, i], colder[i]) for i in range(3)) < 1e-6, name
 
 
-def _drafted_rounds(target, drafter, monkeypatch, draw_all: bool, **kwargs):
+def _drafted_rounds(target, drafter, draw_all: bool, **kwargs):
     """Every round's (count, drafts of row 0 up to K) as the loop proposed them; `draw_all`: every drafting round draws
     all K positions of its block, as DFlash rounds did before 7d5bb0a."""
     rounds = []
@@ -256,29 +244,23 @@ def _drafted_rounds(target, drafter, monkeypatch, draw_all: bool, **kwargs):
         return step
 
     real_draft = dflash_strategy.BlockDrafter.draft
-    with monkeypatch.context() as patch:
-        patch.setattr(dflash_strategy.BlockDrafter, "draft", draft)
-        if draw_all:
-            patch.setattr(dflash_strategy.BlockDrafter, "drafts_drawn", property(lambda self: (self.max_draft,)))
-        loop._compiled.clear()
-        try:
-            out = jaxspec.generate(target, PROMPTS, max_new_tokens=20, eos_token_id=[], assistant_model=drafter,
-                                   **kwargs)
-        finally:
-            loop._compiled.clear()  # the recording loops must not serve a later test
-        jax.effects_barrier()
+    every_draft_drawn = {"drafts_drawn": property(lambda self: (self.max_draft,))} if draw_all else {}
+    with patched(dflash_strategy.BlockDrafter, jax_caches=False, draft=draft, **every_draft_drawn):
+        out = jaxspec.generate(target, PROMPTS, max_new_tokens=20, eos_token_id=[], assistant_model=drafter,
+                               **kwargs)
+    jax.effects_barrier()
     return out, rounds
 
 
 @pytest.mark.parametrize("do_sample", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_a_round_draws_only_the_drafts_its_rows_may_propose(agreeing_pair, monkeypatch, do_sample):
+def test_a_round_draws_only_the_drafts_its_rows_may_propose(agreeing_pair, do_sample):
     """A round puts only as many block positions through the target's head as its rows may draft (1 or K here,
     `BlockDrafter.drafts_drawn`); what it proposes equals the first drafts of the whole block, round by round, and
     the output is the same, greedy and sampled with one seed."""
     target, drafter, *_ = agreeing_pair
     sampling = dict(do_sample=True, temperature=TEMPERATURE, seed=5) if do_sample else {}
-    bucketed, rounds = _drafted_rounds(target, drafter, monkeypatch, draw_all=False, **sampling)
-    whole, whole_rounds = _drafted_rounds(target, drafter, monkeypatch, draw_all=True, **sampling)
+    bucketed, rounds = _drafted_rounds(target, drafter, draw_all=False, **sampling)
+    whole, whole_rounds = _drafted_rounds(target, drafter, draw_all=True, **sampling)
     np.testing.assert_array_equal(bucketed.sequences, whole.sequences)
     assert [count for count, _ in rounds] == [count for count, _ in whole_rounds]
     single = 0

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import jaxspec
-from jaxspec import loop
 from jaxspec.strategies import eagle3 as eagle3_strategy
 from tests.fixtures import eagle3 as eagle3_fixtures
 from tests.fixtures import hf_models, oracles
+from tests.fixtures.patching import patched
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6], [3, 4, 5, 3, 4], [20, 21, 22]]
 LAYERS = eagle3_fixtures.HEAD["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
@@ -66,7 +66,7 @@ def _reference_q(hf_target, reference, sequence: list[int], drafts: list[int]) -
     return q
 
 
-def test_every_round_drafts_what_the_reference_drafts_from_scratch(pair, monkeypatch):
+def test_every_round_drafts_what_the_reference_drafts_from_scratch(pair):
     """Sampled, ragged batch: each round's q equals the reference head's distribution recomputed from the committed
     sequence alone, in rounds after accepted drafts (the cache rolled back) and after rejections."""
     target, head, hf_target, reference = pair
@@ -83,14 +83,10 @@ def test_every_round_drafts_what_the_reference_drafts_from_scratch(pair, monkeyp
                            step.draft.probs, ordered=True)
         return step
 
-    monkeypatch.setattr(eagle3_strategy.Eagle3Drafter, "draft", draft)
-    loop._compiled.clear()
-    try:
+    with patched(eagle3_strategy.Eagle3Drafter, jax_caches=False, draft=draft):
         out = jaxspec.generate(target, PROMPTS, max_new_tokens=16, eos_token_id=[], assistant_model=head,
                                do_sample=True, temperature=TEMPERATURE, top_k=0, seed=4, num_assistant_tokens=3,
                                num_assistant_tokens_schedule="constant")
-    finally:
-        loop._compiled.clear()  # the recording loop must not serve a later test
     jax.effects_barrier()
     assert out.accepted_hist[:, 1:].sum() >= 5, out.accepted_hist  # rounds after accepted drafts are checked too
     checked = 0
@@ -115,7 +111,7 @@ def _sampled_first_tokens(target, head, rows: int):
 
 
 @pytest.mark.slow  # ~22 s; the default suite checks every round's q against the reference head instead
-def test_sampling_is_exact_and_a_lossy_q_is_caught(pair, monkeypatch):
+def test_sampling_is_exact_and_a_lossy_q_is_caught(pair):
     """4000 rows: the first three tokens follow the target's processed law. The control takes q at temperature 1
     (the head's raw distribution, not the processed one it drew from) and must fail the same check."""
     target, head, hf_target, _ = pair
@@ -129,15 +125,8 @@ def test_sampling_is_exact_and_a_lossy_q_is_caught(pair, monkeypatch):
     def raw_q(processed):
         return jax.nn.softmax(processed * TEMPERATURE, axis=-1)
 
-    monkeypatch.setattr(eagle3_strategy, "draft_distribution", raw_q)
-    loop._compiled.clear()
-    jax.clear_caches()
-    try:
+    with patched(eagle3_strategy, draft_distribution=raw_q):
         _, lossy = _sampled_first_tokens(target, head, 4000)
-    finally:
-        monkeypatch.undo()
-        loop._compiled.clear()
-        jax.clear_caches()
     p_values = [oracles.goodness_of_fit(lossy[:, i], exact[i]) for i in range(3)]
     assert min(p_values) < 1e-6, p_values
 

@@ -11,6 +11,7 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 import jaxspec
 from jaxspec.strategies.prompt_lookup import find_continuation
 from tests.fixtures import hf_models, oracles
+from tests.fixtures.patching import patched
 from tests.fixtures.prompts import left_padded
 
 REPETITIVE = [[5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6], [3, 4, 5, 3, 4], [20, 21, 22, 23, 24, 20, 21]]
@@ -123,20 +124,18 @@ def test_prompt_lookup_backs_off_where_nothing_copies(target):
 # Slow: a knob for accelerator A/Bs, not the users' default (docs/design.md, 'On a GPU'). The default suite decodes
 # at the ends in most modules (tests/conftest.py), against plain greedy; this compares the two rules directly.
 @pytest.mark.slow
-def test_verify_widths_at_the_ends_decode_the_same_tokens(target, monkeypatch):
+def test_verify_widths_at_the_ends_decode_the_same_tokens(target):
     """JAXSPEC_VERIFY_WIDTHS=ends, an A/B for accelerators: blocks of 1 and K + 1 only, from a loop that compiled
     those two, and the same greedy tokens as the default widths (1, the powers of two, K + 1)."""
     from jaxspec import loop, schedule
 
     widths, sequences = {}, {}
     for rule in schedule.WIDTH_RULES:
-        monkeypatch.setattr(schedule, "WIDTH_RULE", rule)
-        loop._compiled.clear()  # loops compiled under the other rule
-        out = jaxspec.generate(target, REPETITIVE, max_new_tokens=N, prompt_lookup_num_tokens=10, eos_token_id=[])
-        (widths[rule],) = [key[0].verify_widths for key in loop._compiled if key[1] == "rounds"]
+        with patched(schedule, jax_caches=False, WIDTH_RULE=rule):
+            out = jaxspec.generate(target, REPETITIVE, max_new_tokens=N, prompt_lookup_num_tokens=10, eos_token_id=[])
+            (widths[rule],) = [key[0].verify_widths for key in loop._compiled if key[1] == "rounds"]
         sequences[rule] = out.sequences
         assert out.drafted.sum() > 0
-    loop._compiled.clear()
     assert widths == {"powers": (1, 2, 4, 8, 11), "ends": (1, 11)}
     np.testing.assert_array_equal(sequences["ends"], sequences["powers"])
 

@@ -3,7 +3,6 @@ extremes, the schedules, exact sampling, errors."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import re
@@ -21,6 +20,7 @@ from jaxspec import loop
 from jaxspec.schedule import Schedule, default_verify_costs
 from jaxspec.strategies.base import RoundResult, deciding_rows
 from tests.fixtures import hf_models, oracles
+from tests.fixtures.patching import patched
 from tests.fixtures.prompts import PROMPTS, left_padded
 
 N = 40
@@ -335,7 +335,7 @@ def test_probes_in_the_shadow_keep_greedy_output_and_verify_less(target):
     prompts = [[5, 6, 7, 8, 9, 10, 11]]
     plain = jaxspec.generate(target, prompts, max_new_tokens=64, eos_token_id=[]).sequences
     shadowed = jaxspec.generate(target, prompts, max_new_tokens=64, eos_token_id=[], prompt_lookup_num_tokens=3)
-    with patched(Schedule, "in_shadow", lambda self, state, active=None: np.bool_(False)):
+    with patched(Schedule, in_shadow=lambda self, state, active=None: np.bool_(False)):
         verified = jaxspec.generate(target, prompts, max_new_tokens=64, eos_token_id=[], prompt_lookup_num_tokens=3)
     np.testing.assert_array_equal(shadowed.sequences, plain)
     np.testing.assert_array_equal(verified.sequences, plain)
@@ -387,34 +387,16 @@ def test_sampling_with_probes_in_the_shadow_is_exact(tiny_llama_dir, tmp_path):
         return dataclasses.replace(checked, tokens=checked.tokens.at[:, 0].set(first)), cache
 
     choose, verify_round = loop._in_shadow, loop._verify_round
-    with patched(loop, "_in_shadow", counting):
+    with patched(loop, _in_shadow=counting):
         out = sampled(rows, seed=3)
     assert shadow_rounds and min(r for r, _ in shadow_rounds) < positions - 1, shadow_rounds
     assert sum(n for _, n in shadow_rounds) >= rows // 4  # most rows drafted in a shadow round
     new = out.sequences[:, len(prompt):]
     values = [oracles.goodness_of_fit(new[:, i], exact[i]) for i in range(positions)]
     assert min(values) > oracles.ALPHA, values
-    with patched(loop, "_verify_round", commits_its_draft):
+    with patched(loop, _verify_round=commits_its_draft):
         broken = sampled(2000, seed=4).sequences[:, len(prompt):]
     assert min(oracles.goodness_of_fit(broken[:, i], exact[i]) for i in range(positions)) < 1e-9
-
-
-@contextlib.contextmanager
-def patched(owner, name: str, replacement):
-    """`owner.name` (a jaxspec module's function or a class's method) replaced inside the block. A compiled loop is
-    keyed by a spec that cannot see the patch, so compiled loops are dropped on the way in and out (also when the
-    block fails): none compiled under the patch serves a later call."""
-    def drop_compiled():
-        loop._compiled.clear()
-        jax.clear_caches()
-
-    drop_compiled()
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(owner, name, replacement)
-            yield
-    finally:
-        drop_compiled()
 
 
 def test_a_drafter_that_could_never_pay_never_probes():
