@@ -238,14 +238,8 @@ def hf_config_from_metadata(
             "rope_type": "default",
             "rope_theta": _decimal(_metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
         },
-        "tie_word_embeddings": "lm_head.weight" not in shapes,
-        "bos_token_id": _optional_int(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _optional_int(reader, "tokenizer.ggml.eos_token_id"),
-        "attention_dropout": 0.0,
+        **_shared_config(reader, shapes),
     }
-    pad = _optional_int(reader, "tokenizer.ggml.padding_token_id")
-    if pad is not None:
-        config["pad_token_id"] = pad
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
     else:
@@ -270,6 +264,21 @@ def _metadata(reader: gguf.GGUFReader, key: str, default: Any = dataclasses.MISS
 def _where(reader: gguf.GGUFReader) -> str:
     """The file a reader reads, for error messages (`open_reader` records it)."""
     return getattr(reader, "path", "GGUF file")
+
+
+def _shared_config(reader: gguf.GGUFReader, shapes) -> dict:
+    """The config entries every family reads alike: a tied head where the file has no output matrix, the special
+    token ids (a pad id only where the file names one), and no attention dropout."""
+    config = {
+        "tie_word_embeddings": "lm_head.weight" not in shapes,
+        "bos_token_id": _optional_int(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _optional_int(reader, "tokenizer.ggml.eos_token_id"),
+        "attention_dropout": 0.0,
+    }
+    pad = _optional_int(reader, "tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        config["pad_token_id"] = pad
+    return config
 
 
 def _optional_int(reader: gguf.GGUFReader, key: str) -> int | None:
@@ -410,14 +419,8 @@ def _gemma3_config(
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
         "attention_bias": False,
-        "tie_word_embeddings": "lm_head.weight" not in shapes,
-        "bos_token_id": _optional_int(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _optional_int(reader, "tokenizer.ggml.eos_token_id"),
-        "attention_dropout": 0.0,
+        **_shared_config(reader, shapes),
     }
-    pad = _optional_int(reader, "tokenizer.ggml.padding_token_id")
-    if pad is not None:
-        config["pad_token_id"] = pad
     return config
 
 
