@@ -1,7 +1,8 @@
 """What a decoding round costs inside the compiled loop, by the number of drafts it verifies, against a plain step.
 
     python benchmarks/bench_round_cost.py [--model smollm2-135m] [--drafts 0,1,3,7] [--max-draft 10] [--repeats 4]
-        [--assistant smollm2-135m --assistant-drafts 1,2] [--idle mtp,prompt_lookup,dflash,eagle3]
+        [--assistant smollm2-135m --assistant-drafts 1,2] [--idle mtp,prompt_lookup,dflash,eagle3
+        [--without-feature-writes]]
         [--random-config CONFIG.json [--prompt-tokens N]] [--batch B] [--results benchmarks/results]
 
 A drafter that proposes d fixed tokens every round (all of them rejected, so every round commits one token) runs
@@ -26,7 +27,11 @@ side in one run.
 drafter and EAGLE-3 head jaxspec ships for SmolLM2) forced to draft nothing, by the same run-time input jaxspec/costs.py
 times that round with: what the strategy costs a round in which the adaptive schedule declines to draft, the floor of
 its speed on text it cannot predict. The schedule prices its drafts against this round, so a cost here is one its
-model does not see (docs/design.md, 'A round that drafts nothing').
+model does not see (docs/design.md, 'A round that drafts nothing'). `--without-feature-writes` adds, for DFlash and
+EAGLE-3, the same idle loop with the committed tokens' features not written into the drafter's cache (its drafts
+would read stale features, but an idle round drafts none): the difference is what those writes cost a round that
+drafts nothing, the A/B an accelerator that prices EAGLE-3's idle round above a plain step needs (docs/design.md, 'On
+a GPU').
 
 `--random-config CONFIG.json`: instead of `--model`, a target of that Hugging Face config's shape with random weights
 (in jaxspec's default dtype: bfloat16 on accelerators) and a prompt of random token ids as long as the story's. A
@@ -47,6 +52,7 @@ import dataclasses
 import os
 import statistics
 import sys
+import tempfile
 
 import numpy as np
 
@@ -66,6 +72,8 @@ def main(argv=None) -> None:
     p.add_argument("--assistant-drafts", default="1,2")
     p.add_argument("--idle", default="", help="strategies whose loop is timed forced to draft nothing: "
                    + ",".join(IDLE_STRATEGIES))
+    p.add_argument("--without-feature-writes", action="store_true",
+                   help="with --idle dflash or eagle3: also time that idle loop without its feature writes")
     p.add_argument("--random-config", default=None,
                    help="an HF config.json: time a target of its shape with random weights instead of --model")
     p.add_argument("--batch", type=int, default=1, help="rows, each the same prompt")
@@ -78,6 +86,8 @@ def main(argv=None) -> None:
     idle = [name for name in args.idle.split(",") if name]
     if set(idle) - set(IDLE_STRATEGIES):
         p.error(f"--idle takes {', '.join(IDLE_STRATEGIES)}, not {', '.join(sorted(set(idle) - set(IDLE_STRATEGIES)))}")
+    if args.without_feature_writes and not set(idle) & set(FEATURE_DRAFTERS):
+        p.error(f"--without-feature-writes times the idle loops of {' and '.join(FEATURE_DRAFTERS)}: name one in --idle")
     if args.prompt_tokens != STORY_TOKENS and not args.random_config:
         p.error("--prompt-tokens sets the random prompt of --random-config; --model runs the story prompt")
     if args.batch < 1 or args.prompt_tokens < 1:
@@ -120,7 +130,9 @@ def main(argv=None) -> None:
 
     def per_round(drafter) -> tuple[float, int]:
         if isinstance(drafter, IdleStrategy):
-            with forced_to_draft_nothing():
+            without_writes = feature_writes_skipped(drafter.compiled) if drafter.compiled is not None else \
+                contextlib.nullcontext()
+            with forced_to_draft_nothing(), without_writes:
                 out = jaxspec.generate(model, ids, max_new_tokens=args.max_new_tokens, eos_token_id=[],
                                        **drafter.arguments)
             if out.drafted.sum():
@@ -146,6 +158,9 @@ def main(argv=None) -> None:
 
     for name in idle:
         drafters[f"{name}, forced to draft nothing"] = IdleStrategy(name, strategy_arguments(name, model))
+        if args.without_feature_writes and name in FEATURE_DRAFTERS:
+            drafters[f"{name}, forced to draft nothing, no feature writes"] = IdleStrategy(
+                name, strategy_arguments(name, model), compiled={})
 
     for drafter in drafters.values():
         per_round(drafter)  # compile
@@ -171,12 +186,14 @@ def main(argv=None) -> None:
 
 
 IDLE_STRATEGIES = ("mtp", "prompt_lookup", "dflash", "eagle3")
+FEATURE_DRAFTERS = ("dflash", "eagle3")  # write the committed tokens' target features into their own caches
 
 
 @dataclasses.dataclass(frozen=True)
 class IdleStrategy:
     name: str
     arguments: dict  # jaxspec.generate's arguments that select it
+    compiled: dict | None = None  # a variant without feature writes: its own compiled loops (`feature_writes_skipped`)
 
 
 @contextlib.contextmanager
@@ -196,6 +213,35 @@ def forced_to_draft_nothing():
         yield
     finally:
         generate_module._Call.priced = priced
+
+
+VARIANT_COSTS = tempfile.TemporaryDirectory(prefix="bench_round_cost-")  # the variants' prices, thrown away
+
+
+@contextlib.contextmanager
+def feature_writes_skipped(compiled: dict):
+    """Calls inside run DFlash's and EAGLE-3's loops with `write_committed` doing nothing. A compiled loop's key
+    cannot see the patch, so the variant's loops live in `compiled` between its calls and the loops that write are
+    set aside meanwhile. Its prices (timed where the call is priced, which is where the rounds are forced) go to a
+    file of their own, so that the step-cost cache keeps only the real loops'."""
+    from jaxspec import costs, loop
+    from jaxspec.strategies import dflash, eagle3
+
+    writes, cache_path = (dflash.write_committed, eagle3.write_committed), costs.cache_path
+    writing_loops = dict(loop._compiled)
+    loop._compiled.clear()
+    loop._compiled.update(compiled)
+    costs.cache_path = lambda: os.path.join(VARIANT_COSTS.name, costs.CACHE_FILE)
+    dflash.write_committed = eagle3.write_committed = lambda drafter, result, positions, write, state: state
+    try:
+        yield
+    finally:
+        dflash.write_committed, eagle3.write_committed = writes
+        costs.cache_path = cache_path
+        compiled.clear()
+        compiled.update(loop._compiled)
+        loop._compiled.clear()
+        loop._compiled.update(writing_loops)
 
 
 STORY_TOKENS = 180  # a chat prompt's length in the benchmarks (device_check's two are 176 and 177 SmolLM2 tokens)

@@ -63,3 +63,11 @@ def test_idle_strategies_run_as_bench_batch_runs_them():
     import bench_round_cost
 
     assert set(bench_round_cost.IDLE_STRATEGIES) <= set(bench_batch.STRATEGY_KWARGS)
+
+
+def test_without_feature_writes_needs_an_idle_feature_drafter(capsys):
+    import bench_round_cost
+
+    with pytest.raises(SystemExit):
+        bench_round_cost.main(["--idle", "mtp", "--without-feature-writes"])
+    assert "--without-feature-writes times the idle loops of dflash and eagle3" in capsys.readouterr().err
