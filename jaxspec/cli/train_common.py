@@ -35,6 +35,7 @@ def workdir_path(model: str, kind: str) -> str:
 
 def add_data_flags(p: argparse.ArgumentParser, *, stdlib_windows: int, heldout_prompts: int = 64) -> None:
     """The flags of the data recipe: prompts the target answers, held-out prompts, standard-library windows."""
+    p = p.add_argument_group("data (built once, cached in the workdir by its recipe)")
     p.add_argument("--train-prompts", type=int, default=2560, help="training prompts the target answers")
     p.add_argument("--heldout-prompts", type=int, default=heldout_prompts, help="held-out prompts (never trained on)")
     p.add_argument("--stdlib-share", type=float, default=0.5,
@@ -61,6 +62,7 @@ def add_run_flags(p: argparse.ArgumentParser, kind: str, *, steps: int, batch_si
     """The flags of a training run that every trainer has: its length and optimiser, how often it evaluates and
     checkpoints, where it keeps its work (`kind`: "mtp", "dflash" or "eagle3", the default workdir's suffix), and
     stopping early or before any work. The defaults that differ between trainers are arguments."""
+    p = p.add_argument_group("the run (rerunning the same command resumes from the last checkpoint)")
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--batch-size", type=int, default=batch_size, help=batch_help)
     p.add_argument("--lr", type=float, default=lr, help="peak learning rate (AdamW, warmup then cosine decay)")
@@ -72,7 +74,7 @@ def add_run_flags(p: argparse.ArgumentParser, kind: str, *, steps: int, batch_si
     p.add_argument("--workdir", default=None, help=f"data cache, checkpoints and plot (default: "
                    f"$JAXSPEC_CACHE/train/<model>-{kind}, i.e. ~/.cache/jaxspec/train/...)")
     p.add_argument("--stop-after", type=int, default=None, help="stop at this step (rerun to resume)")
-    p.add_argument("--estimate-only", action="store_true", help="print the run's estimate (time, and the corpus's memory) and exit")
+    p.add_argument("--estimate-only", action="store_true", help="print the estimate (time; memory for a tapped corpus) and exit")
 
 
 def check_run_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
