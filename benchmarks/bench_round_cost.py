@@ -87,7 +87,8 @@ def main(argv=None) -> None:
     if set(idle) - set(IDLE_STRATEGIES):
         p.error(f"--idle takes {', '.join(IDLE_STRATEGIES)}, not {', '.join(sorted(set(idle) - set(IDLE_STRATEGIES)))}")
     if args.without_feature_writes and not set(idle) & set(FEATURE_DRAFTERS):
-        p.error(f"--without-feature-writes times the idle loops of {' and '.join(FEATURE_DRAFTERS)}: name one in --idle")
+        p.error(f"--without-feature-writes times the idle loops of {' and '.join(FEATURE_DRAFTERS)}: "
+                "name one in --idle")
     if args.prompt_tokens != STORY_TOKENS and not args.random_config:
         p.error("--prompt-tokens sets the random prompt of --random-config; --model runs the story prompt")
     if args.batch < 1 or args.prompt_tokens < 1:

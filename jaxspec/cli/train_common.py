@@ -74,7 +74,8 @@ def add_run_flags(p: argparse.ArgumentParser, kind: str, *, steps: int, batch_si
     p.add_argument("--workdir", default=None, help=f"data cache, checkpoints and plot (default: "
                    f"$JAXSPEC_CACHE/train/<model>-{kind}, i.e. ~/.cache/jaxspec/train/...)")
     p.add_argument("--stop-after", type=int, default=None, help="stop at this step (rerun to resume)")
-    p.add_argument("--estimate-only", action="store_true", help="print the estimate (time; memory for a tapped corpus) and exit")
+    p.add_argument("--estimate-only", action="store_true",
+                   help="print the estimate (time; memory for a tapped corpus) and exit")
 
 
 def check_run_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -161,7 +161,7 @@ Q_RAW = Mutation(draft_model.AutoregressiveDrafter, "draft_loop", "q = jax.nn.so
                  "q = jax.nn.softmax(logits, axis=-1)")
 # MTP draws its candidates and their laws in one call (jaxspec.tree.draw_candidates): its `law` hook gives q from the
 # raw logits while the drafts still come from the processed ones.
-Q_RAW_MTP = Mutation(mtp.MtpDrafter, "draft", "ctx.do_sample,\n                                            self.keep_probs)",
+Q_RAW_MTP = Mutation(mtp.MtpDrafter, "draft", "ctx.do_sample,\n" + " " * 44 + "self.keep_probs)",
                      "ctx.do_sample, self.keep_probs, law=lambda _: jax.nn.softmax(logits, axis=-1))")
 
 
