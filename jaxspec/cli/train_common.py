@@ -18,16 +18,17 @@ from typing import Any
 TYPICAL_PROMPT_LEN = 40
 
 
-def default_workdir(model: str, kind: str) -> str:
-    """Where a training run of `kind` ("mtp", "dflash", "eagle3") for `model` (a catalogue name or a folder) keeps
-    its data and checkpoints unless --workdir says otherwise, created if missing."""
-    workdir = workdir_path(model, kind)
+def run_workdir(args: argparse.Namespace, kind: str) -> str:
+    """Where a training run of `kind` ("mtp", "dflash", "eagle3") keeps its data and checkpoints: --workdir, else
+    the model's default (`workdir_path`); created if missing."""
+    workdir = args.workdir or workdir_path(args.model, kind)
     os.makedirs(workdir, exist_ok=True)
     return workdir
 
 
 def workdir_path(model: str, kind: str) -> str:
-    """`default_workdir`'s path, without creating it (to look for another trainer's cached data)."""
+    """The default workdir of a training run of `kind` for `model` (a catalogue name or a folder), not created:
+    `run_workdir` creates it; a trainer also looks here for another trainer's cached data."""
     from jaxspec import catalog
 
     return os.path.join(catalog.cache_root(), "train", f"{os.path.basename(os.path.normpath(model))}-{kind}")
@@ -162,6 +163,14 @@ def generation_seconds(args: argparse.Namespace, step_seconds: float) -> float:
     batches = -(-(args.train_prompts + args.heldout_prompts) // args.gen_batch_size)
     prompt = min(TYPICAL_PROMPT_LEN, args.max_prompt_len // 2)
     return batches * (args.seq_len - prompt) * step_seconds
+
+
+def tapped_corpus_gigabytes(args: argparse.Namespace, model, layer_ids) -> float:
+    """The most a tapped corpus of this recipe can take (every row at --seq-len), for the plan a trainer prints."""
+    from jaxspec.train import dflash_data
+
+    rows = args.train_prompts + args.stdlib_windows + args.heldout_prompts
+    return dflash_data.corpus_bytes(rows, args.seq_len, model.config.hidden_size, len(layer_ids)) / 1e9
 
 
 def tapped_data_rates(model, args: argparse.Namespace, layer_ids, tokens) -> dict[str, float]:

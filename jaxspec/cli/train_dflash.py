@@ -36,8 +36,9 @@ import sys
 import time
 
 from .train_common import (add_data_flags, add_run_flags, cached_tapped_corpora, check_at_least_one, check_data_flags,
-                           check_run_flags, data_recipe, default_workdir, estimate_tapped_run, load_tapped_target,
-                           parse_target_layers, print_timing, report_training, tapped_corpora, tapped_data_rates, timed)
+                           check_run_flags, data_recipe, estimate_tapped_run, load_tapped_target, parse_target_layers,
+                           print_timing, report_training, run_workdir, tapped_corpora, tapped_corpus_gigabytes,
+                           tapped_data_rates, timed)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -83,8 +84,7 @@ def main(argv=None) -> int:
     from jaxspec.train import DFlashTrainConfig, OptimConfig, data, dflash_data, new_dflash_drafter, train_dflash
     from jaxspec.train.dflash_loop import plot_dflash_history
 
-    workdir = args.workdir or default_workdir(args.model, "dflash")
-    os.makedirs(workdir, exist_ok=True)
+    workdir = run_workdir(args, "dflash")
     model = load_tapped_target(args.model)
     if model is None:
         return 2
@@ -103,9 +103,7 @@ def main(argv=None) -> int:
     need_data = cached is None
     rates = _calibrate(model, probe, args, need_data)
     estimate = estimate_tapped_run(args, rates, need_data)
-    rows = args.train_prompts + args.stdlib_windows
-    corpus_gb = dflash_data.corpus_bytes(rows + args.heldout_prompts, args.seq_len, model.config.hidden_size,
-                                         len(layer_ids)) / 1e9
+    corpus_gb = tapped_corpus_gigabytes(args, model, layer_ids)
     print(f"plan: a {args.layers}-layer drafter, blocks of {args.block_size}, context from target layers "
           f"{list(layer_ids)}; {args.train_prompts} training + {args.heldout_prompts} held-out answers and "
           f"{args.stdlib_windows} stdlib windows of {args.seq_len} tokens ({corpus_gb:.2f} GB of data, at most); "

@@ -38,9 +38,9 @@ import sys
 import time
 
 from .train_common import (add_data_flags, add_run_flags, cached_tapped_corpora, check_at_least_one, check_data_flags,
-                           check_run_flags, data_recipe, default_workdir, estimate_tapped_run, load_tapped_target,
-                           parse_target_layers, print_timing, report_training, tapped_corpora, tapped_data_rates, timed,
-                           workdir_path)
+                           check_run_flags, data_recipe, estimate_tapped_run, load_tapped_target, parse_target_layers,
+                           print_timing, report_training, run_workdir, tapped_corpora, tapped_corpus_gigabytes,
+                           tapped_data_rates, timed, workdir_path)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -88,8 +88,7 @@ def main(argv=None) -> int:
     from jaxspec.train.eagle3_export import draft_vocabulary_for, vocabulary_coverage
     from jaxspec.train.eagle3_loop import plot_eagle3_history
 
-    workdir = args.workdir or default_workdir(args.model, "eagle3")
-    os.makedirs(workdir, exist_ok=True)
+    workdir = run_workdir(args, "eagle3")
     model = load_tapped_target(args.model)
     if model is None:
         return 2
@@ -110,9 +109,7 @@ def main(argv=None) -> int:
     need_data = cached is None
     rates = _calibrate(model, probe, args, need_data)
     estimate = estimate_tapped_run(args, rates, need_data)
-    rows = args.train_prompts + args.stdlib_windows
-    corpus_gb = dflash_data.corpus_bytes(rows + args.heldout_prompts, args.seq_len, model.config.hidden_size,
-                                         len(layer_ids)) / 1e9
+    corpus_gb = tapped_corpus_gigabytes(args, model, layer_ids)
     print(f"plan: an EAGLE-3 head reading target layers {list(layer_ids)}, a draft vocabulary of {draft_size} of "
           f"{vocab_size} tokens; {args.train_prompts} training + {args.heldout_prompts} held-out answers and "
           f"{args.stdlib_windows} stdlib windows of {args.seq_len} tokens ({corpus_gb:.2f} GB of data, at most"

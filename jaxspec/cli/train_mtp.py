@@ -31,7 +31,7 @@ import sys
 import time
 
 from .train_common import (add_data_flags, add_run_flags, check_data_flags, check_run_flags, data_folder, data_recipe,
-                           default_workdir, generation_seconds, generation_step_seconds, report_training)
+                           generation_seconds, generation_step_seconds, report_training, run_workdir)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -68,8 +68,7 @@ def main(argv=None) -> int:
     from jaxspec.assets import strip_mtp
     from jaxspec.train import OptimConfig, TrainConfig, attach_mtp_layers, data, plot_history, save_mtp_asset, train
 
-    workdir = args.workdir or default_workdir(args.model, "mtp")
-    os.makedirs(workdir, exist_ok=True)
+    workdir = run_workdir(args, "mtp")
     model = jaxspec.load(args.model, progress=True)
     if args.layers is not None:
         model = strip_mtp(model)
