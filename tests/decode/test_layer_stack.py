@@ -136,6 +136,9 @@ def test_wide_blocks_compile_one_layer_and_decode_the_same_tokens(tmp_path):
     assert lookup_growth <= 1.5 * plain_growth, (lookup_growth, plain_growth)  # unrolled: about 4x
 
 
+# Slow (~26 s): an opt-in setting (`auto` keeps Gemma unrolled); the default suite checks that looped Gemma periods
+# compute the unrolled forward (above) and that Llama's default loop compiles one layer (the test before this one).
+@pytest.mark.slow
 @pytest.mark.usefixtures("default_verify_widths")
 def test_gemma_asked_to_loop_compiles_one_layer_of_each_type_and_decodes_the_same_tokens(monkeypatch, tmp_path):
     """Gemma 3's period of three layers (two sliding, one global) looped when asked: from 6 layers to 9, prompt lookup's
