@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -216,7 +217,10 @@ def forced_to_draft_nothing():
         generate_module._Call.priced = priced
 
 
-VARIANT_COSTS = tempfile.TemporaryDirectory(prefix="bench_round_cost-")  # the variants' prices, thrown away
+@functools.cache
+def _variant_costs_folder() -> tempfile.TemporaryDirectory:
+    """Where the variants' prices go, thrown away with the process; made the first time a variant runs."""
+    return tempfile.TemporaryDirectory(prefix="bench_round_cost-")
 
 
 @contextlib.contextmanager
@@ -232,7 +236,8 @@ def feature_writes_skipped(compiled: dict):
     writing_loops = dict(loop._compiled)
     loop._compiled.clear()
     loop._compiled.update(compiled)
-    costs.cache_path = lambda: os.path.join(VARIANT_COSTS.name, costs.CACHE_FILE)
+    folder = _variant_costs_folder().name
+    costs.cache_path = lambda: os.path.join(folder, costs.CACHE_FILE)
     dflash.write_committed = eagle3.write_committed = lambda drafter, result, positions, write, state: state
     try:
         yield
