@@ -43,13 +43,19 @@ def load(path: str, dtype: Any = None, progress: bool = False, *, mesh=None, sha
     return use_cpu_layout(model)  # projections stored [out, in] where the model is on one CPU device
 
 
+# Compiles this long or longer are kept on disk by `enable_compilation_cache`.
+CACHE_MIN_COMPILE_SECONDS = 0.5
+
+
 def enable_compilation_cache(folder: str | None = None) -> str | None:
     """Keep compiled loops on disk (JAX's persistent compilation cache), so a new process with the same model,
     strategy and shapes loads them instead of compiling. Call it before the first `generate`.
 
     `folder`: default `$JAXSPEC_COMPILATION_CACHE`, else `xla` in the jaxspec cache folder (`$JAXSPEC_CACHE`, else
     `~/.cache/jaxspec`, as for converted checkpoints and step costs); "off" leaves the cache off.
-    Returns the folder in use, or None.
+    Executables that compiled in CACHE_MIN_COMPILE_SECONDS or more are kept (JAX's default keeps those over a second:
+    a small model's loop compiles in less), or in whatever less the caller already chose. Returns the folder in use,
+    or None.
     """
     import jax
 
@@ -59,7 +65,8 @@ def enable_compilation_cache(folder: str | None = None) -> str | None:
     if folder == "off":
         return None
     jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    chosen = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min(chosen, CACHE_MIN_COMPILE_SECONDS))
     return folder
 
 

@@ -109,14 +109,17 @@ def draft(tiny_llama_draft_dir):
 def compilation_cache(tmp_path_factory):
     """One persistent compilation cache for the whole run: modules drop their compiled loops (below), and a later
     module that builds the same loop again (the tiny target's plain loop, at the same shapes) loads it from disk
-    instead of compiling it again."""
+    instead of compiling it again. The CLI turns the cache on in every run (`jaxspec.enable_compilation_cache()`):
+    the variable points the CLI runs of a test, in this process or a child, at the same folder, not the user's."""
     import jax
 
     import jaxspec
 
-    jaxspec.enable_compilation_cache(str(tmp_path_factory.mktemp("xla")))
+    folder = str(tmp_path_factory.mktemp("xla"))
+    os.environ["JAXSPEC_COMPILATION_CACHE"] = folder
     # Every executable, not only those that took over half a second: the tiny models' loops compile in about that.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jaxspec.enable_compilation_cache(folder)
 
 
 # Sampled rows in an executable from which it compiles at the users' XLA settings (`users_xla_for_large_batches`).

@@ -149,6 +149,25 @@ def test_the_compilation_cache_lives_in_the_jaxspec_cache_folder(monkeypatch, tm
     assert jaxspec.enable_compilation_cache() is None
 
 
+
+def test_turning_the_cache_on_never_raises_a_threshold_the_caller_chose(tmp_path):
+    """The CLI turns the cache on in every run: a caller that keeps every executable (this suite does) keeps doing so
+    after an in-process CLI run, and JAX's default (a second) comes down to what a small model's loop takes."""
+    import jax
+
+    import jaxspec
+    from jaxspec import api
+
+    saved = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+    try:
+        for chosen, kept in ((0.0, 0.0), (1.0, api.CACHE_MIN_COMPILE_SECONDS)):
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", chosen)
+            assert jaxspec.enable_compilation_cache(str(tmp_path)) == str(tmp_path)
+            assert jax.config.jax_persistent_cache_min_compile_time_secs == kept
+    finally:
+        jax.config.update("jax_compilation_cache_dir", saved[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
+
 def test_unknown_name_lists_known_ones():
     with pytest.raises(ValueError, match="smollm2-135m") as info:
         catalog.resolve("no-such-model")

@@ -375,8 +375,6 @@ def no_compiling(monkeypatch):
         raise AssertionError("generate() was reached: the damage was not reported at load")
 
     monkeypatch.setattr(jaxspec, "generate", fail)
-    # The CLI turns on the persistent compilation cache; keep the suite's folder rather than the user's.
-    monkeypatch.setenv("JAXSPEC_COMPILATION_CACHE", jax.config.jax_compilation_cache_dir or "off")
 
 
 def assert_one_error_line(err: str, match: str) -> None:
