@@ -110,7 +110,8 @@ def compilation_cache(tmp_path_factory):
     """One persistent compilation cache for the whole run: modules drop their compiled loops (below), and a later
     module that builds the same loop again (the tiny target's plain loop, at the same shapes) loads it from disk
     instead of compiling it again. The CLI turns the cache on in every run (`jaxspec.enable_compilation_cache()`):
-    the variable points the CLI runs of a test, in this process or a child, at the same folder, not the user's."""
+    `$JAXSPEC_COMPILATION_CACHE` points a test's CLI runs, in this process or a child, at this folder, not the
+    user's."""
     import jax
 
     import jaxspec

@@ -149,7 +149,6 @@ def test_the_compilation_cache_lives_in_the_jaxspec_cache_folder(monkeypatch, tm
     assert jaxspec.enable_compilation_cache() is None
 
 
-
 def test_turning_the_cache_on_never_raises_a_threshold_the_caller_chose(tmp_path):
     """The CLI turns the cache on in every run: a caller that keeps every executable (this suite does) keeps doing so
     after an in-process CLI run, and JAX's default (a second) comes down to what a small model's loop takes."""
@@ -167,6 +166,7 @@ def test_turning_the_cache_on_never_raises_a_threshold_the_caller_chose(tmp_path
     finally:
         jax.config.update("jax_compilation_cache_dir", saved[0])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
+
 
 def test_unknown_name_lists_known_ones():
     with pytest.raises(ValueError, match="smollm2-135m") as info:
