@@ -48,9 +48,14 @@ CACHE_FILE = "step_costs.json"
 CACHE_SIZE = 512  # positions of the cache the timed forwards write (decoding sizes its cache to the call)
 START_POSITION = 200  # where the timed forwards start: attention reads a realistic prefix
 STEPS = 4  # forwards per timed loop (time_forwards)
-ROUNDS = 8  # rounds per timed run of the decoding loop (time_loop)
 RUNS = 3  # timed runs of a forward (time_forwards); the fastest counts (the others met a busier machine, or warmed it)
-LOOP_RUNS = 2  # timed runs of each loop configuration (time_loop), after an untimed round that warms it
+# time_loop: each configuration runs LOOP_RUNS timed calls (the fastest counts) of a few rounds each. A CPU's rounds
+# take tens of milliseconds, so a call of 4 lasts 0.1-0.4 s, and three such calls priced SmolLM2's DFlash loop as
+# closely as two of 8 did, 1.3 s sooner (docs/design.md, 'Step costs measured on the machine'). An accelerator's
+# rounds take milliseconds, about what a call costs besides them (subtracted, but it jitters): 8 there.
+LOOP_ROUNDS = {"cpu": 4}  # rounds per timed call, by backend
+DEFAULT_LOOP_ROUNDS = 8
+LOOP_RUNS = 3
 MAX_COST_BATCH = 64  # larger batches are priced with costs measured at this many rows
 
 
@@ -146,25 +151,26 @@ def _drafts_timed(drafter) -> tuple[int, ...]:
 
 
 def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int, ...], prefix: str = "",
-              rounds_per_run: int = ROUNDS, runs: int = LOOP_RUNS) -> dict[str, float]:
+              rounds_per_run: int | None = None, runs: int = LOOP_RUNS) -> dict[str, float]:
     """Milliseconds a round of the compiled loop itself, on the call's own prompts and batch.
 
     - `{prefix}|verify|{w}`: rounds that draft nothing and verify a block of w (the loop's `verify_floor`);
     - with `drafts` (chains forced to d drafts for each d, verified at width d + 1): `{prefix}|draft`, one more
       draft, and `{prefix}|round`, a drafting round's fixed work beyond its block and its drafts.
 
-    Every run reuses the executables: the prices, the verify floor, the forced length, the EOS tokens (none, so rows
-    run their rounds) and the confidence threshold (0, so every forced draft is proposed) are run-time inputs. A run
-    calls the loop for `rounds_per_run` rounds, and for none: what a call costs besides its rounds (dispatching its
-    arguments, reading its counters back) is the second call's time, and is not charged to the rounds: on a GPU it is
-    milliseconds, enough to inflate a small model's rounds by a third and make every verify width look nearly free
-    beside them (docs/design.md, 'On a GPU'). Of `runs` runs the fastest of each call counts; the configurations take
-    turns.
+    Every run reuses the executables: the prices, the verify floor, the forced length, the EOS tokens (none, so rows run
+    their rounds) and the confidence threshold (0, so every forced draft is proposed) are run-time inputs. A run calls
+    the loop for `rounds_per_run` rounds (default: LOOP_ROUNDS for the backend), and for none: what a call costs besides
+    its rounds (dispatching its arguments, reading its counters back) is the second call's time, and is not charged to
+    the rounds: on a GPU it is milliseconds, enough to inflate a small model's rounds by a third and make every verify
+    width look nearly free beside them (docs/design.md, 'On a GPU'). Of `runs` runs the fastest of each call counts; the
+    configurations take turns.
 
     The prompts are read once: what a configuration forces is read by the rounds alone (tests/decode/test_costs.py
     checks that the prefilled states are equal), so every call starts from a copy of one prefilled state. Before the
     timed runs each configuration runs one untimed round: on XLA:CPU a branch's first execution in a process costs
     more, most for the widest blocks (figures: docs/design.md, 'Step costs measured on the machine')."""
+    rounds_per_run = rounds_per_run or LOOP_ROUNDS.get(jax.default_backend(), DEFAULT_LOOP_ROUNDS)
     tokens, prompt_lengths = call.prefill_args[2], call.prefill_args[3]
     room = int(tokens.shape[1]) - int(np.max(np.asarray(prompt_lengths))) - call.spec.drafter.draft_slots - 2
     budget = jnp.full_like(call.prefill_args[4], max(room, 2))

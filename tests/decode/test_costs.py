@@ -65,7 +65,7 @@ def _host(leaf) -> np.ndarray:
 
 
 def test_a_round_is_timed_without_what_a_call_costs_besides_its_rounds(monkeypatch):
-    """time_loop subtracts the time of a call that runs no round from a call of ROUNDS rounds: a fixed cost per
+    """time_loop subtracts the time of a call that runs no round from a call of several rounds: a fixed cost per
     call (dispatch, reading the counters back; several ms on a GPU) is not spread over the rounds. A fake loop whose
     call costs 40 ms plus 5 ms a round (10 ms at width 2) is priced at 5 and 10 ms, not 10 and 15."""
     import time
