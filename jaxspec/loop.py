@@ -13,11 +13,15 @@ drafter's run-time settings enter as arrays (`LoopInputs`).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import dataclasses
 import functools
+import os
 import queue
+import signal
+import sys
 import threading
 from typing import Any, Callable
 
@@ -117,13 +121,23 @@ _compiled: collections.OrderedDict[Any, concurrent.futures.Future] = collections
 
 class _Compiler:
     """Runs compiles in order on one daemon thread: XLA already compiles a module on several threads, and the prefill
-    and the rounds never compile at once. A daemon, because concurrent.futures joins its workers at exit: a process
-    interrupted (Ctrl-C) while a loop compiles would wait for XLA to finish before it could exit."""
+    and the rounds never compile at once.
+
+    At exit (`_at_exit`) the compile under way, if any, must not be torn down under XLA: a process that exits while
+    this thread is inside XLA's compiler aborts ("terminate called ...", exit status 134), as a call whose rows all
+    ended in the prefill left its round loop compiling. So a process that ends normally, or on an error, waits for the
+    compile under way (with the persistent compilation cache on, it is kept for the next process) and starts none of
+    those queued behind it. One interrupted (Ctrl-C) while a loop compiles leaves at once, killed by SIGINT as Python
+    leaves an interrupted process, rather than wait out XLA. A daemon, so that the interpreter itself never joins it:
+    concurrent.futures would wait for every queued compile."""
 
     def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._compiling = threading.Event()  # set while a compile runs
+        self._closing = False  # set at exit: queued compiles are cancelled, not started
+        atexit.register(self._at_exit)
 
     def submit(self, compile_fn: Callable[[], Any]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -136,12 +150,35 @@ class _Compiler:
 
     def _work(self) -> None:
         while True:
-            future, compile_fn = self._queue.get()
-            if future.set_running_or_notify_cancel():
+            item = self._queue.get()
+            if item is None:  # `_at_exit`'s last item: everything before it was started or cancelled
+                return
+            future, compile_fn = item
+            if self._closing:
+                future.cancel()
+            elif future.set_running_or_notify_cancel():
+                self._compiling.set()
                 try:
                     future.set_result(compile_fn())
                 except BaseException as error:  # handed to the caller that waits for it
                     future.set_exception(error)
+                finally:
+                    self._compiling.clear()
+
+    def _at_exit(self) -> None:
+        """Registered with atexit: wait for the compile under way and cancel the queued ones (see the class)."""
+        if self._worker is None or not self._worker.is_alive():
+            return
+        if self._compiling.is_set() and isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+            # End as Python ends an interrupted process (killed by SIGINT), before the teardown that would abort.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+            os._exit(130)  # where a signal does not end the process at once: the status a shell gives Ctrl-C
+        self._closing = True
+        self._queue.put(None)
+        self._worker.join()
 
 
 _COMPILER = _Compiler()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 import subprocess
 import sys
 import threading
@@ -171,15 +172,48 @@ def test_a_call_whose_rows_end_in_the_prefill_waits_for_no_round_loop(llama, gat
     np.testing.assert_array_equal(first.sequences, again.sequences)
 
 
-def test_a_process_exits_without_waiting_for_a_compile_under_way():
-    """A process interrupted while the round loop compiles (Ctrl-C at the first tokens) exits at once: the compile
-    worker is a daemon, where concurrent.futures would join it at exit and wait out XLA's compile."""
-    code = ("import threading\nfrom jaxspec import loop\n"
-            "loop._COMPILER.submit(lambda: threading.Event().wait(120))\nprint('submitted', flush=True)")
+def _run_child(code: str, *args: str) -> tuple[subprocess.CompletedProcess, float]:
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0 and "submitted" in done.stdout, done.stderr
-    assert time.perf_counter() - started < 60  # importing jaxspec takes seconds; the compile it left, 120
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=100)
+    return done, time.perf_counter() - started
+
+
+@pytest.mark.parametrize("ending", ["normally", "interrupted"])
+def test_a_process_whose_rows_ended_in_the_prefill_exits_cleanly(tiny_llama_dir, ending):
+    """A call whose rows all end in the prefill returns while its round loop still compiles in the background. A
+    process that then ends, normally or interrupted (Ctrl-C), must not be torn down under XLA's compiler: it aborted
+    ("terminate called ...", killed by SIGABRT) until the compile worker handled the exit."""
+    code = ("import sys, jaxspec\n"
+            "out = jaxspec.generate(jaxspec.load(sys.argv[1]), [[5, 6, 7, 8]], max_new_tokens=1)\n"
+            "print('tokens', out.num_new_tokens.tolist(), flush=True)\n"
+            "if sys.argv[2] == 'interrupted':\n    raise KeyboardInterrupt")
+    done, _ = _run_child(code, str(tiny_llama_dir), ending)
+    expected = 0 if ending == "normally" else -signal.SIGINT  # as Python leaves an interrupted process
+    assert done.returncode == expected and "tokens [1]" in done.stdout, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
+
+
+def test_a_process_ending_waits_for_the_compile_under_way_and_starts_no_other():
+    """At exit the compile that runs is finished (with the persistent cache on, the next process loads it) and the
+    ones queued behind it are cancelled, not started."""
+    code = ("import time\nfrom jaxspec import loop\n"
+            "loop._COMPILER.submit(lambda: (time.sleep(2), print('first compiled', flush=True)))\n"
+            "loop._COMPILER.submit(lambda: print('second compiled', flush=True))\n"
+            "time.sleep(0.5)\nprint('exiting', flush=True)")
+    done, _ = _run_child(code)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["exiting", "first", "compiled"]
+
+
+def test_an_interrupted_process_leaves_at_once():
+    """A process interrupted (Ctrl-C at the first tokens) while a loop compiles leaves without waiting out the
+    compile, killed by SIGINT as Python leaves an interrupted process."""
+    code = ("import threading, time\nfrom jaxspec import loop\n"
+            "loop._COMPILER.submit(lambda: threading.Event().wait(120))\n"
+            "time.sleep(0.5)\nprint('interrupting', flush=True)\nraise KeyboardInterrupt")
+    done, seconds = _run_child(code)
+    assert done.returncode == -signal.SIGINT and "interrupting" in done.stdout, done.stderr[-2000:]
+    assert seconds < 60  # importing jaxspec takes seconds; the compile it left, 120
 
 
 def test_ragged_list_equals_padded_batch(llama):
