@@ -124,7 +124,7 @@ class _Compiler:
     and the rounds never compile at once.
 
     At exit (`_at_exit`) the compile under way, if any, must not be torn down under XLA: a process that exits while
-    this thread is inside XLA's compiler aborts ("terminate called ...", exit status 134), as a call whose rows all
+    this thread is inside XLA's compiler aborts ("terminate called ...", killed by SIGABRT), as a call whose rows all
     ended in the prefill left its round loop compiling. So a process that ends normally, or on an error, waits for the
     compile under way (with the persistent compilation cache on, it is kept for the next process) and starts none of
     those queued behind it. One interrupted (Ctrl-C) while a loop compiles leaves at once, killed by SIGINT as Python
