@@ -27,7 +27,8 @@ adaptive schedule's prices (jaxspec/costs.py; counted in the compile time it pri
 in the jaxspec cache folder).
 
 Mistakes (a missing file, a damaged checkpoint, an option the strategy does not use) print one line and exit 2;
-with --compare-plain, greedy output that differs from plain greedy decoding exits 1.
+with --compare-plain, greedy output that differs from plain greedy decoding exits 1. An answer that ends at its first
+token on a model with a chat template, prompted without --chat, gets a note that suggests --chat.
 """
 
 from __future__ import annotations
@@ -132,6 +133,16 @@ def encode(tokenizer, prompt: str, chat: bool, model: str) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
+def chat_hint(new_ids: list[int], model, args) -> str | None:
+    """A note for a run whose answer ended at once (its only token is an end-of-sequence) on a model with a chat
+    template, given a raw prompt: instruct models often answer a bare prompt that way, and the run looks broken."""
+    ended_at_once = len(new_ids) == 1 and new_ids[0] in model.eos_token_ids()
+    if not ended_at_once or args.chat or not getattr(model.tokenizer, "chat_template", None):
+        return None
+    return (f"note: {args.model} ended its answer at its first token (end of sequence). It has a chat template: "
+            "with --chat the prompt is sent as a user turn, as an instruct model expects.")
+
+
 class SilentStreamer:
     """The streamer of processes that do not print."""
 
@@ -222,6 +233,9 @@ def run(args) -> int:
 
     out = run_once(drafting, streamer)
     new_ids = out.new_tokens(0).tolist()
+    hint = chat_hint(new_ids, model, args)
+    if hint and jax.process_index() == 0:
+        print(hint, file=sys.stderr)
     text = model.tokenizer.decode(new_ids, skip_special_tokens=True)
     report = out.counters() | {"load_seconds": load_seconds}
     if args.compare_plain and args.strategy not in ("greedy", SAMPLE):

@@ -59,11 +59,34 @@ def test_json_output_reports_the_strategy_that_ran(cli, folder, capsys, strategy
 
 def test_text_output_shows_counters(cli, folder, capsys):
     assert cli.main(["--model", folder, "--prompt", "w5 w6", "--max-new-tokens", "4", "--do-sample", "--seed", "3"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "tok/s" in out and "target forwards" in out
+    assert "note:" not in captured.err  # an answer that did not end at once (and no chat template to suggest)
     import bench_compile  # benchmarks/ is on sys.path (pyproject's pythonpath)
 
     assert bench_compile.CLI_REPORT.search(out), "benchmarks/bench_compile.py no longer reads the CLI's report line"
+
+
+def test_an_answer_that_ends_at_once_on_a_chat_model_suggests_chat(cli, folder, capsys, tmp_path):
+    """An instruct model given a bare prompt may answer end-of-sequence at once, and the run then prints nothing: the
+    CLI says why and what to try. The tiny model stands in for one: its first token for the prompt is made its EOS,
+    and its tokenizer gets a chat template."""
+    import shutil
+
+    assert cli.main(["--model", folder, "--prompt", "w5 w6", "--max-new-tokens", "4", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)["new_ids"][0]
+    chatty = shutil.copytree(folder, tmp_path / "chatty")
+    generation = json.loads((chatty / "generation_config.json").read_text())
+    (chatty / "generation_config.json").write_text(json.dumps(generation | {"eos_token_id": first}))
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(chatty)
+
+    assert cli.main(["--model", str(chatty), "--prompt", "w5 w6", "--max-new-tokens", "4", "--no-stream"]) == 0
+    captured = capsys.readouterr()
+    assert "[greedy] 1 tokens" in captured.out
+    assert f"note: {chatty} ended its answer at its first token" in captured.err and "--chat" in captured.err
 
 
 def test_speculative_needs_an_assistant(cli, folder):
