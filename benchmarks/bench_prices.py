@@ -6,8 +6,8 @@ calls taking turns.
         [--settings 8x2,4x3] [--trials 5] [--results benchmarks/results]
 
 Per strategy, one `generate` call (batch 1, the chat prompt below, 16 new tokens) with a fresh step-cost file, so that
-it prices its schedule; the pricing is timed once untimed (it warms what the first pricing of a process pays), then
-`--trials` times per setting, the settings in turns. A setting `RxC` times each configuration in C calls of R rounds
+it prices its schedule; that pricing runs once untimed (it warms what the first pricing in a process pays), then
+`--trials` times per setting, the settings taking turns. A setting `RxC` times each configuration in C calls of R rounds
 (`costs.LOOP_ROUNDS`, `costs.LOOP_RUNS`). Printed: each price in plain steps (the loop's round at width 1), mean and
 standard deviation over the trials, and the seconds one pricing took. `dflash` and `eagle3` draft with the drafters
 jaxspec ships for the model (`MODEL-dflash`, `MODEL-eagle3`), `mtp` with its attached MTP layers.
