@@ -10,7 +10,7 @@ it prices its schedule; that pricing runs once untimed (it warms what the first 
 `--trials` times per setting, the settings taking turns. A setting `RxC` times each configuration in C calls of R rounds
 (`costs.LOOP_ROUNDS`, `costs.LOOP_RUNS`). Printed: each price in plain steps (the loop's round at width 1), mean and
 standard deviation over the trials, and the seconds one pricing took. `dflash` and `eagle3` draft with the drafters
-jaxspec ships for the model (`MODEL-dflash`, `MODEL-eagle3`), `mtp` with its attached MTP layers.
+jaxspec ships for the model (`jaxspec.catalog.shipped_drafter`), `mtp` with its attached MTP layers.
 """
 
 from __future__ import annotations
@@ -77,7 +77,12 @@ def _drafting(jaxspec, model: str, strategy: str) -> dict:
     elif strategy == "mtp":
         drafting = {"use_mtp": True}
     elif strategy in ("dflash", "eagle3"):
-        drafting = {"assistant_model": jaxspec.load(f"{model}-{strategy}")}
+        from jaxspec.catalog import shipped_drafter
+
+        drafter = shipped_drafter(model, strategy)
+        if drafter is None:
+            raise SystemExit(f"--strategies: jaxspec ships no {strategy} drafter for {model}")
+        drafting = {"assistant_model": jaxspec.load(drafter)}
     else:
         raise SystemExit(f"--strategies: {strategy!r} is not one of prompt_lookup, mtp, dflash, eagle3")
     return drafting | {"num_assistant_tokens_schedule": "adaptive"}
