@@ -1,7 +1,7 @@
 """The adaptive schedule's decisions without the machine's noise: its own `Schedule`, driven on the host.
 
     python benchmarks/simulate_schedule.py [--tokens 32] [--seeds 12] [--only "CPU MTP"] [--probe-unit 0.05]
-                                           [--shadow-probes never]
+                                           [--shadow-probes after-miss]
 
 Each scenario is a batch of rows that accept each draft with a fixed probability (or, for text that repeats in
 bursts, a probability that follows the row's position: so many tokens at one rate, then so many at another, over and
@@ -85,15 +85,16 @@ class Run:
 
 
 def simulate(rates, verify_costs, draft_cost: float, tokens: int, seeds, max_draft: int = 2, round_cost: float = 0.0,
-             shadow_probes: bool = True) -> list[Run]:
+             shadow_probes: str = "first-and-after-miss") -> list[Run]:
     """Batches decoded to `tokens` new tokens a row, one per seed in `seeds`, with drafts accepted at `rates` ([B],
     each `rate_at`). The schedule's decision and update are compiled once for all seeds: run eagerly, dispatching
     their many small ops one at a time was most of the simulation's time.
 
-    A probe judged in the shadow (`Schedule.in_shadow`: one that follows a missed probe) drafts one draft but commits
-    one token, the plain step's, at the plain step's price and the draft's work (`Schedule.shadow_price`); the
-    schedule learns whether each row's draft was that token, as the loop hands it over. `shadow_probes=False`: the
-    what-if of every probe verified (as before 2026-12-06).
+    A probe judged in the shadow (`Schedule.in_shadow`: a row's first one, and one that follows a missed probe) drafts
+    one draft but commits one token, the plain step's, at the plain step's price and the draft's work
+    (`Schedule.shadow_price`); the schedule learns whether each row's draft was that token, as the loop hands it over.
+    `shadow_probes` (one of `Schedule.SHADOW_RULES`): the schedule's rule, or the what-ifs of only probes after a miss
+    in the shadow (as before 2026-12-07) and of every probe verified (as before 2026-12-06).
     """
     from jaxspec.schedule import Schedule
 
@@ -162,19 +163,20 @@ def _simulate(rates, verify_costs, draft_cost: float, tokens: int, seeds, max_dr
 
 
 def main(argv=None) -> int:
+    from jaxspec.schedule import Schedule
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=32, help="new tokens a row")
     parser.add_argument("--seeds", type=int, default=12, help="batches simulated a scenario (their mean is shown)")
     parser.add_argument("--probe-unit", type=float, default=None,
                         help="what-if: Schedule.PROBE_UNIT for this run (a smaller unit spaces costly probes further)")
     parser.add_argument("--only", default="", help="run only the scenarios whose name contains this")
-    parser.add_argument("--shadow-probes", choices=("after-miss", "never"), default="after-miss",
+    parser.add_argument("--shadow-probes", choices=Schedule.SHADOW_RULES, default=Schedule.SHADOW_PROBES,
                         help="which probes run a plain step and judge their draft against its token: the schedule's "
-                             "rule (after a missed probe), or the what-if of every probe verified (`simulate`)")
+                             "rule (a row's first probe and those after a missed one), or the what-ifs of only those "
+                             "after a miss and of every probe verified (`simulate`)")
     args = parser.parse_args(argv)
     if args.probe_unit is not None:
-        from jaxspec.schedule import Schedule
-
         Schedule.PROBE_UNIT = args.probe_unit  # read on the host when the schedule spaces its probes
     print(f"{args.tokens} tokens a row, mean of {args.seeds} seeds\n")
     print("| scenario | rounds | drafting rounds | probes | speedup the prices give |")
@@ -183,7 +185,7 @@ def main(argv=None) -> int:
         if args.only not in name:
             continue
         runs = simulate(rates, verify_costs, draft_cost, args.tokens, range(args.seeds), *extra,
-                        shadow_probes=args.shadow_probes == "after-miss")
+                        shadow_probes=args.shadow_probes)
         mean = {field: np.mean([getattr(r, field) for r in runs]) for field in ("rounds", "drafting", "probes")}
         speedup = np.mean([args.tokens / r.cost for r in runs])
         print(f"| {name} | {mean['rounds']:.1f} | {mean['drafting']:.1f} | {mean['probes']:.1f} | {speedup:.3f}x |",

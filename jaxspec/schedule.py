@@ -47,6 +47,9 @@ class DraftLength:
     # [B] bool, adaptive: the row's last probe was judged in the shadow and its first draft was the token, so its
     # next probe, due at once, is verified
     verify_next: jax.Array
+    # [B] bool, adaptive: some draft of the row was judged, verified or in the shadow. Before that the row has no
+    # evidence, and its first probe is judged in the shadow (`SHADOW_PROBES`)
+    judged_any: jax.Array
 
 
 WIDTH_RULES = ("powers", "ends")
@@ -161,9 +164,11 @@ class Schedule:
     PRIOR_ACCEPTANCE = 0.6  # before any evidence, a row assumes this acceptance ...
     PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
     DECAY = 0.8  # evidence from each earlier drafting round counts this much less
-    # Probes after a missed one are judged in the shadow (`in_shadow`); False verifies every probe (read when the loop
-    # is traced: a what-if of benchmarks/simulate_schedule.py, `--shadow-probes never`)
-    SHADOW_PROBES = True
+    # Which probes are judged in the shadow (`in_shadow`): "first-and-after-miss", a row's first probe and those after
+    # a missed one; "after-miss", only those (the rule until 2026-12-07); "never", every probe verified. Read when the
+    # loop is traced: what-ifs of benchmarks/simulate_schedule.py (`--shadow-probes`)
+    SHADOW_PROBES = "first-and-after-miss"
+    SHADOW_RULES = ("first-and-after-miss", "after-miss", "never")
     PROBE_UNIT = 0.1  # probes that cost up to this (in plain steps) back off 1, 2, 4, ... MAX_COOLDOWN rounds
 
     def init(self, batch: int, initial: jax.Array) -> DraftLength:
@@ -174,7 +179,8 @@ class Schedule:
         return DraftLength(num_tokens=jnp.full((batch,), initial, jnp.int32), misses=zeros, cooldown=zeros,
                            accepted=self.PRIOR_ACCEPTANCE * prior, judged=prior,
                            branch_accepted=self.PRIOR_ACCEPTANCE * prior, branch_judged=prior,
-                           available=jnp.full((batch,), NO_LIMIT, jnp.int32), verify_next=jnp.zeros((batch,), bool))
+                           available=jnp.full((batch,), NO_LIMIT, jnp.int32), verify_next=jnp.zeros((batch,), bool),
+                           judged_any=jnp.zeros((batch,), bool))
 
     @staticmethod
     def with_available(state: DraftLength, available: jax.Array) -> DraftLength:
@@ -293,17 +299,21 @@ class Schedule:
         """[] bool: this round's probe is judged in the shadow. It drafts, but the loop runs the plain step instead of
         verifying, and the schedule learns whether each row's first draft was the token that step committed. Such a
         probe costs its drafts' work, not a verify block (0.5-2 plain steps more than a plain one on a CPU), but a
-        hit commits one token, not its drafts. So only a probe that follows a missed one goes in the shadow, for
-        every row it is for: the first probe is verified, and a hit makes the next probe, due at once, verified too
-        (docs/design.md, 'Probes judged in the shadow')."""
+        hit commits one token, not its drafts. So a probe goes in the shadow where the rows it is for have shown no
+        hit to verify: a row's first probe, before any of its drafts was judged, and one that follows a missed probe.
+        A hit there makes the next probe, due at once, verified (docs/design.md, 'Probes judged in the shadow')."""
         active = _all_rows(state) if active is None else active
         return self.probing(state, active) & self._shadow_due(state, self._due(state, active))
 
     def _shadow_due(self, state: DraftLength, due: jax.Array) -> jax.Array:
-        """[] bool: every row due to probe missed its last probe (and no hit in the shadow asked for a verified one)."""
-        if not (self.SHADOW_PROBES and self.shadow):
+        """[] bool: every row due to probe has no hit to verify: it missed its last probe, or (`SHADOW_PROBES`) no
+        draft of it was judged yet; and no hit in the shadow asked for a verified probe."""
+        if self.SHADOW_PROBES == "never" or not self.shadow:
             return jnp.zeros((), bool)
-        return jnp.all(jnp.where(due, (state.misses > 0) & ~state.verify_next, True))
+        unproven = state.misses > 0
+        if self.SHADOW_PROBES == "first-and-after-miss":
+            unproven |= ~state.judged_any
+        return jnp.all(jnp.where(due, unproven & ~state.verify_next, True))
 
     def shadow_price(self, drafts: jax.Array) -> jax.Array:
         """The cost in plain steps of a round judged in the shadow whose longest row drafts `drafts`: a plain step
@@ -427,7 +437,7 @@ class Schedule:
         num_tokens = jnp.where(tried, result.drafted, state.num_tokens)
         return DraftLength(num_tokens=num_tokens, misses=misses, cooldown=cooldown, accepted=accepted, judged=judged,
                            branch_accepted=branch_accepted, branch_judged=branch_judged, available=state.available,
-                           verify_next=verify_next)
+                           verify_next=verify_next, judged_any=state.judged_any | tried)
 
 
 def _all_rows(state: DraftLength) -> jax.Array:

@@ -33,9 +33,11 @@ def no_compilation_cache(monkeypatch):
 @pytest.mark.parametrize("strategy, strategy_args", [
     pytest.param("greedy", [], id="greedy"),
     pytest.param("prompt_lookup", ["--strategy", "prompt_lookup", "--compare-plain"], id="prompt_lookup"),
-    # A zero threshold: with the default one the tiny random model's early-exit drafts are all doubted, none proposed.
+    # A zero threshold: with the default one the tiny random model's early-exit drafts are all doubted, none proposed;
+    # a constant schedule: the adaptive one would probe them in the shadow, verifying none.
     pytest.param("early_exit", ["--strategy", "early_exit", "--assistant-early-exit", "2",
-                                "--assistant-confidence-threshold", "0"], id="early_exit"),
+                                "--assistant-confidence-threshold", "0", "--num-assistant-tokens-schedule", "constant"],
+                 id="early_exit"),
 ])
 def test_json_output_reports_the_strategy_that_ran(cli, folder, capsys, strategy, strategy_args):
     """--json reports the requested strategy, and a drafting strategy's drafts (prompt lookup finds the prompt's

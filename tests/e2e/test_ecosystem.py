@@ -69,7 +69,10 @@ def test_greedy_with_a_processor_equals_transformers_under_every_strategy(models
     np.testing.assert_array_equal(plain.sequences, expected)
     lookup = jaxspec.generate(target, ROWS, max_new_tokens=N, eos_token_id=eos, prompt_lookup_num_tokens=4, **kwargs)
     np.testing.assert_array_equal(lookup.sequences, expected)
-    assistant = dict(assistant_model=draft, num_assistant_tokens=3, assistant_confidence_threshold=0.0)
+    # A constant schedule, as transformers' below: every round verifies drafts through the processors. (The adaptive
+    # one would probe this weak assistant in the shadow and verify none of its drafts.)
+    assistant = dict(assistant_model=draft, num_assistant_tokens=3, assistant_confidence_threshold=0.0,
+                     num_assistant_tokens_schedule="constant")
     batch = jaxspec.generate(target, ROWS, max_new_tokens=N, eos_token_id=eos, **assistant, **kwargs)
     np.testing.assert_array_equal(batch.sequences, expected)
     assert batch.drafted.sum() > 0 and lookup.drafted.sum() > 0
@@ -273,9 +276,11 @@ def test_generate_text_applies_the_chat_template_and_decodes(models):
     tokenizer = target.tokenizer
     tokenizer.chat_template = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}w3"
     messages = [{"role": "user", "content": "w5 w6 w7"}]
-    # (A random assistant doubts every token: no confidence stop, so that it drafts.)
+    # (A random assistant doubts every token: no confidence stop, and a constant schedule, so that it drafts and
+    # every round verifies; the adaptive one would probe it in the shadow.)
     text, out = jaxspec.generate_text(target, messages, max_new_tokens=8, eos_token_id=[], return_output=True,
-                                      assistant_model=draft, num_assistant_tokens=2, assistant_confidence_threshold=0.0)
+                                      assistant_model=draft, num_assistant_tokens=2, assistant_confidence_threshold=0.0,
+                                      num_assistant_tokens_schedule="constant")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     plain = jaxspec.generate(target, [ids], max_new_tokens=8, eos_token_id=[])
     assert text == tokenizer.decode(plain.sequences[0, len(ids):].tolist(), skip_special_tokens=True)

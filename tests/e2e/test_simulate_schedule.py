@@ -48,14 +48,14 @@ def test_probes_that_can_pay_teach_a_costly_pair_to_draft(simulation, monkeypatc
     name, rates, verify_costs, draft_cost, max_draft = next(
         scenario for scenario in simulation.SCENARIOS if scenario[0] == "1.5B + 0.5B prices, batch 1 at 0.89")
 
-    def mean_over_seeds(shadow_probes=False) -> tuple[float, float]:  # -> (speedup, rounds that drafted)
+    def mean_over_seeds(shadow_probes="never") -> tuple[float, float]:  # -> (speedup, rounds that drafted)
         runs = simulation.simulate(rates, verify_costs, draft_cost, 256, range(6), max_draft,
                                    shadow_probes=shadow_probes)
         return sum(256 / run.cost for run in runs) / 6, sum(run.drafting / run.rounds for run in runs) / 6
 
-    # Every probe verified: what the probes' length alone does. Probes judged in the shadow after a miss (the
-    # schedule's rule) learn from one-draft evidence too; with them the pair still learns to draft.
-    assert mean_over_seeds(True)[0] > 1.0
+    # Every probe verified: what the probes' length alone does. Probes judged in the shadow, a row's first and those
+    # after a miss (the schedule's rule), learn from one-draft evidence too; with them the pair still learns to draft.
+    assert mean_over_seeds("first-and-after-miss")[0] > 1.0
     speedup, drafting = mean_over_seeds()
     from jaxspec.schedule import Schedule
 
@@ -64,25 +64,29 @@ def test_probes_that_can_pay_teach_a_costly_pair_to_draft(simulation, monkeypatc
     assert speedup > 1.02 and one_draft_speedup < 1.0 and drafting > 3 * one_draft_drafting
 
 
-def test_probes_after_a_miss_cost_only_their_draft(simulation):
-    """For a drafter that is never accepted (DFlash's CPU prices at batch 1), every round commits one token; the
-    first probe is verified (its block of 4 with 3 drafts), and those after it are judged in the shadow, each a plain
-    step plus one draft's work (the block forward, 0.49, and 0.02), where verified they cost 2.3 + 0.55 plain steps."""
+def test_probes_in_the_shadow_cost_only_their_draft(simulation):
+    """For a drafter that is never accepted (DFlash's CPU prices at batch 1), every round commits one token, and every
+    probe is judged in the shadow: the first, before any evidence, and those after it, each following a miss. Each
+    costs a plain step plus one draft's work (the block forward, 0.49, and 0.02), where verified, the first costs
+    its block of 4 with 3 drafts (2.3 + 0.55 plain steps), as under the rule before 2026-12-07, and every probe
+    does with none in the shadow."""
     name, rates, verify_costs, draft_cost, max_draft, round_cost = next(
         scenario for scenario in simulation.SCENARIOS if scenario[0] == "CPU DFlash, batch 1 at 0")
-    shadow, verified = (simulation.simulate(rates, verify_costs, draft_cost, 64, range(3), max_draft, round_cost,
-                                            shadow_probes=shadow) for shadow in (True, False))
-    first_probe = 2.3 + 3 * draft_cost + round_cost
-    for run in shadow:
-        assert run.rounds == 64 and run.probes == run.drafting > 1, describe(run)
-        shadow_probes = run.probes - 1
-        plain_rounds = run.rounds - run.probes
-        assert run.cost == pytest.approx(plain_rounds + first_probe + shadow_probes * (1 + draft_cost + round_cost))
-    assert all(a.probes == b.probes for a, b in zip(shadow, verified))
-    assert sum(run.cost for run in shadow) < sum(run.cost for run in verified)
+    runs = {rule: simulation.simulate(rates, verify_costs, draft_cost, 64, range(3), max_draft, round_cost,
+                                      shadow_probes=rule) for rule in ("first-and-after-miss", "after-miss", "never")}
+    verified_probe, shadow_probe = 2.3 + 3 * draft_cost + round_cost, 1 + draft_cost + round_cost
+    for rule, verified in (("first-and-after-miss", 0), ("after-miss", 1)):
+        for run in runs[rule]:
+            assert run.rounds == 64 and run.probes == run.drafting > 1, describe(run)
+            plain_rounds = run.rounds - run.probes
+            expected = plain_rounds + verified * verified_probe + (run.probes - verified) * shadow_probe
+            assert run.cost == pytest.approx(expected), (rule, describe(run))
+    assert all(a.probes == b.probes == c.probes for a, b, c in zip(*runs.values()))
+    cost = {rule: sum(run.cost for run in rule_runs) for rule, rule_runs in runs.items()}
+    assert cost["first-and-after-miss"] < cost["after-miss"] < cost["never"]
     from jaxspec.schedule import Schedule
 
-    assert Schedule.SHADOW_PROBES  # the what-if leaves the schedule as it found it
+    assert Schedule.SHADOW_PROBES == "first-and-after-miss"  # the what-ifs leave the schedule as they found it
 
 
 def test_the_script_prints_its_table(simulation, capsys):

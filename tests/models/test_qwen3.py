@@ -90,11 +90,13 @@ def test_greedy_ragged_batch_equals_transformers(pair, plain):
 @pytest.mark.parametrize("strategy", ["assistant_model", "prompt_lookup", "early_exit"])
 def test_every_drafter_equals_plain_greedy(pair, plain, strategy):
     kwargs = {
-        # threshold 0: a random model is rarely confident, and the default 0.4 would stop most drafts at once
+        # threshold 0: a random model is rarely confident, and the default 0.4 would stop most drafts at once; a
+        # constant schedule: the adaptive one would probe a random drafter in the shadow, verifying none of its drafts
         "assistant_model": dict(assistant_model=pair.assistant, num_assistant_tokens=3,
-                                assistant_confidence_threshold=0.0),
+                                assistant_confidence_threshold=0.0, num_assistant_tokens_schedule="constant"),
         "prompt_lookup": dict(prompt_lookup_num_tokens=3),
-        "early_exit": dict(assistant_early_exit=2, num_assistant_tokens=3, assistant_confidence_threshold=0.0),
+        "early_exit": dict(assistant_early_exit=2, num_assistant_tokens=3, assistant_confidence_threshold=0.0,
+                           num_assistant_tokens_schedule="constant"),
     }[strategy]
     out = jaxspec.generate(pair.target, REPETITIVE, max_new_tokens=N, **kwargs)
     np.testing.assert_array_equal(out.sequences, plain.sequences)

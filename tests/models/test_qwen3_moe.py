@@ -99,11 +99,13 @@ def test_every_drafter_equals_plain_greedy(pair, plain, strategy, tmp_path):
     if strategy == "eagle3":  # SpecForge's head for a target of this width, vocabulary and depth
         eagle3_fixtures.save(eagle3_fixtures.reference(seed=25), tmp_path)
     kwargs = {
-        # threshold 0: a random model is rarely confident, and the default 0.4 would stop most drafts at once
+        # threshold 0: a random model is rarely confident, and the default 0.4 would stop most drafts at once; a
+        # constant schedule: the adaptive one would probe a random drafter in the shadow, verifying none of its drafts
         "assistant_model": dict(assistant_model=pair.assistant, num_assistant_tokens=3,
-                                assistant_confidence_threshold=0.0),
+                                assistant_confidence_threshold=0.0, num_assistant_tokens_schedule="constant"),
         "prompt_lookup": dict(prompt_lookup_num_tokens=3),
-        "early_exit": dict(assistant_early_exit=2, num_assistant_tokens=3, assistant_confidence_threshold=0.0),
+        "early_exit": dict(assistant_early_exit=2, num_assistant_tokens=3, assistant_confidence_threshold=0.0,
+                           num_assistant_tokens_schedule="constant"),
         "dflash": dict(num_assistant_tokens_schedule="constant"),
         "eagle3": dict(num_assistant_tokens_schedule="constant"),
     }[strategy]
