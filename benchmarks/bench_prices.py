@@ -3,14 +3,15 @@
 calls taking turns.
 
     python benchmarks/bench_prices.py [--model smollm2-135m] [--strategies prompt_lookup,dflash,eagle3]
-        [--settings 8x2,4x3] [--trials 5] [--results benchmarks/results]
+        [--settings 8x2,4x3] [--trials 5] [--batch 1] [--results benchmarks/results]
 
-Per strategy, one `generate` call (batch 1, the chat prompt below, 16 new tokens) with a fresh step-cost file, so that
-it prices its schedule; that pricing runs once untimed (it warms what the first pricing in a process pays), then
-`--trials` times per setting, the settings taking turns. A setting `RxC` times each configuration in C calls of R rounds
-(`costs.LOOP_ROUNDS`, `costs.LOOP_RUNS`). Printed: each price in plain steps (the loop's round at width 1), mean and
-standard deviation over the trials, and the seconds one pricing took. `dflash` and `eagle3` draft with the drafters
-jaxspec ships for the model (`jaxspec.catalog.shipped_drafter`), `mtp` with its attached MTP layers.
+Per strategy, one `generate` call (the chat prompt below in each of `--batch` rows, 16 new tokens) with a fresh
+step-cost file, so that it prices its schedule at that batch; that pricing runs once untimed (it warms what the first
+pricing in a process pays), then `--trials` times per setting, the settings taking turns. A setting `RxC` times each
+configuration in C calls of R rounds (`costs.LOOP_ROUNDS`, `costs.LOOP_RUNS`). Printed: each price in plain steps (the
+loop's round at width 1), mean and standard deviation over the trials, and the seconds one pricing took. `dflash` and
+`eagle3` draft with the drafters jaxspec ships for the model (`jaxspec.catalog.shipped_drafter`), `mtp` with its
+attached MTP layers.
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ def main(argv=None) -> None:
     p.add_argument("--strategies", default="prompt_lookup,dflash,eagle3")
     p.add_argument("--settings", default="8x2,4x3", help="RxC: C timed calls of R rounds per configuration")
     p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--batch", type=int, default=1, help="rows in the priced call (prices are per batch size bucket)")
     add_results_argument(p)
     args = p.parse_args(argv)
     settings = [_setting(text) for text in args.settings.split(",")]
     if args.trials < 2:
         p.error("--trials: at least 2 (a standard deviation needs two)")
+    if args.batch < 1:
+        p.error("--batch: at least 1")
     record = Record("bench_prices", __file__, argv, args.results)
 
     import jax
@@ -47,10 +51,10 @@ def main(argv=None) -> None:
     ids = list(target.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                                     tokenize=True, return_dict=False))
     rows = []
-    title = f"price spread: {args.model}, {jax.default_backend()}, batch 1, {args.trials} trials a setting"
+    title = f"price spread: {args.model}, {jax.default_backend()}, batch {args.batch}, {args.trials} trials a setting"
     print(f"# {title}\n")
     for strategy in args.strategies.split(","):
-        trials = _trials(target, ids, _drafting(jaxspec, args.model, strategy), settings, args.trials)
+        trials = _trials(target, [ids] * args.batch, _drafting(jaxspec, args.model, strategy), settings, args.trials)
         prices = [name for name in trials[settings[0]][0] if name != "seconds"]
         print(f"\n## {strategy}\n\n| rounds x calls | " + " | ".join(prices) + " | seconds |")
         print("|---|" + "---:|" * (len(prices) + 1))
@@ -60,7 +64,8 @@ def main(argv=None) -> None:
             rows += [{"strategy": strategy, "rounds": setting[0], "calls": setting[1], "trial": i, **trial}
                      for i, trial in enumerate(trials[setting])]
     record.write(rows, [args.model], title=title,
-                 settings={"strategies": args.strategies, "settings": args.settings, "trials": args.trials})
+                 settings={"strategies": args.strategies, "settings": args.settings, "trials": args.trials,
+                           "batch": args.batch})
 
 
 def _setting(text: str) -> tuple[int, int]:
@@ -88,8 +93,9 @@ def _drafting(jaxspec, model: str, strategy: str) -> dict:
     return drafting | {"num_assistant_tokens_schedule": "adaptive"}
 
 
-def _trials(target, ids, drafting: dict, settings, trials: int) -> dict[tuple[int, int], list[dict[str, float]]]:
-    """{setting: [{price name: plain steps, "seconds": one pricing}, one per trial]} from the loop of one call."""
+def _trials(target, rows, drafting: dict, settings, trials: int) -> dict[tuple[int, int], list[dict[str, float]]]:
+    """{setting: [{price name: plain steps, "seconds": one pricing}, one per trial]} from the loop of one call of
+    `rows` (token id lists)."""
     import jaxspec
     from jaxspec import costs
 
@@ -115,7 +121,7 @@ def _trials(target, ids, drafting: dict, settings, trials: int) -> dict[tuple[in
         os.environ.update(JAXSPEC_CACHE=cache, JAXSPEC_STEP_COSTS="measure")  # a fresh file: the call prices
         costs.time_loop = repeated
         try:
-            jaxspec.generate(target, [ids], max_new_tokens=16, **drafting)
+            jaxspec.generate(target, rows, max_new_tokens=16, **drafting)
         finally:
             costs.time_loop = time_loop
             for name, value in saved.items():
