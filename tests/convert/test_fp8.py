@@ -70,7 +70,8 @@ def test_fp8_greedy_equals_transformers_on_the_twin_and_mtp_equals_greedy(pair, 
         got = plain.sequences[row, ids.shape[1]: ids.shape[1] + len(expected)]
         np.testing.assert_array_equal(got, expected)
     # A constant schedule: every round verifies drafts (the adaptive one would probe random layers in the shadow)
-    mtp = jaxspec.generate(fp8_model, ids, mask, max_new_tokens=N, use_mtp=True, num_assistant_tokens_schedule="constant")
+    mtp = jaxspec.generate(fp8_model, ids, mask, max_new_tokens=N, use_mtp=True,
+                           num_assistant_tokens_schedule="constant")
     np.testing.assert_array_equal(mtp.sequences, plain.sequences)
     assert mtp.drafted.sum() > 0
 

@@ -67,9 +67,9 @@ def test_probes_that_can_pay_teach_a_costly_pair_to_draft(simulation, monkeypatc
 def test_probes_in_the_shadow_cost_only_their_draft(simulation):
     """For a drafter that is never accepted (DFlash's CPU prices at batch 1), every round commits one token, and every
     probe is judged in the shadow: the first, before any evidence, and those after it, each following a miss. Each
-    costs a plain step plus one draft's work (the block forward, 0.49, and 0.02), where verified, the first costs
-    its block of 4 with 3 drafts (2.3 + 0.55 plain steps), as under the rule before 2026-12-07, and every probe
-    does with none in the shadow."""
+    costs a plain step and one draft's work (the block forward, 0.49, and 0.02). Verified, a probe costs its block of
+    4 with 3 drafts (2.3 + 0.55 plain steps): the first one was under the rule before 2026-12-07 ("after-miss"), and
+    every one is with none in the shadow ("never")."""
     name, rates, verify_costs, draft_cost, max_draft, round_cost = next(
         scenario for scenario in simulation.SCENARIOS if scenario[0] == "CPU DFlash, batch 1 at 0")
     runs = {rule: simulation.simulate(rates, verify_costs, draft_cost, 64, range(3), max_draft, round_cost,
