@@ -14,7 +14,9 @@ The sides share one loaded model (float32); `--sides` picks some by their number
 - `matrix head`: the model as loaded, its tied head multiplied by matrix products at every row count (the copy's up
   to 4 rows), as before 3-32 rows took an elementwise product and a sum (models/int8.py, `_multiply_reduce`);
 - `unfused`: the model as loaded, but each projection in its own array and product, as before a layer's q, k and v,
-  and its gate and up, were fused into one buffer and one product each (`jaxspec.layout.FUSED_GROUPS`).
+  and its gate and up, were fused into one buffer and one product each (`jaxspec.layout.FUSED_GROUPS`);
+- `large weights only`: the model as loaded, with the elementwise product and sum kept to weights of 2^23 elements or
+  more from 3 rows on, as before every weight took it from 2 rows (models/int8.py, `multiply_reduce_pays`).
 
 Per model and batch size (rows from benchmarks/bench.py's prompts, ragged), each side decodes `--new-tokens` tokens
 with no end-of-sequence stop. A step is one target forward: (decode seconds - prefill seconds) / (new tokens - 1),
@@ -34,14 +36,14 @@ import sys
 
 from _record import Record, add_results_argument
 
-SIDES = ("[out, in]", "[in, out]", "[in, out], copy", "matrix head", "unfused")
+SIDES = ("[out, in]", "[in, out]", "[in, out], copy", "matrix head", "unfused", "large weights only")
 BANDWIDTH_MB = 512
 
 
 def twins(model, copy_rows: int, chosen) -> dict:
-    """{side: (model, head copy rows, first row count of the multiply-reduce head)} for the `chosen` sides of one
-    loaded model, each built only when chosen: the sides share every array but the projections. `copy_rows`: the
-    package's own `COPY_MAX_ROWS`."""
+    """{side: (model, head copy rows, first row count of the multiply-reduce, its last for small weights)} for the
+    `chosen` sides of one loaded model, each built only when chosen: the sides share every array but the projections.
+    `copy_rows`: the package's own `COPY_MAX_ROWS`."""
     from flax import nnx
 
     from _bench_plans import unfused
@@ -53,10 +55,11 @@ def twins(model, copy_rows: int, chosen) -> dict:
         graphdef, state = nnx.split(model.module)
         return dataclasses.replace(model, module=nnx.merge(graphdef, standard_layout(state)))
 
-    reduce_from = I.MULTIPLY_REDUCE_MIN_ROWS
-    build = {SIDES[0]: lambda: (model, copy_rows, reduce_from), SIDES[1]: lambda: (standard(), copy_rows, reduce_from),
-             SIDES[2]: lambda: (standard(), 1 << 30, 1 << 30), SIDES[3]: lambda: (model, 4, 1 << 30),
-             SIDES[4]: lambda: (unfused(model), copy_rows, reduce_from)}
+    reduce = (I.MULTIPLY_REDUCE_MIN_ROWS, I.SMALL_WEIGHT_MAX_ROWS)
+    never = (1 << 30, 0)
+    build = {SIDES[0]: lambda: (model, copy_rows, *reduce), SIDES[1]: lambda: (standard(), copy_rows, *reduce),
+             SIDES[2]: lambda: (standard(), 1 << 30, *never), SIDES[3]: lambda: (model, 4, 1 << 30, 0),
+             SIDES[4]: lambda: (unfused(model), copy_rows, *reduce), SIDES[5]: lambda: (model, copy_rows, 3, 0)}
     return {side: build[side]() for side in chosen}
 
 
@@ -93,7 +96,8 @@ def main(argv=None) -> None:
     from jaxspec import head, loop
     from jaxspec.models import int8 as I
 
-    copy_rows, reduce_from = head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS
+    package_rules = head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS, I.SMALL_WEIGHT_MAX_ROWS
+    copy_rows = head.COPY_MAX_ROWS
     chosen = SIDES if args.sides == "all" else [SIDES[0]] + [SIDES[int(i)] for i in args.sides.split(",") if i != "0"]
     bandwidth = measure_read_bandwidth(BANDWIDTH_MB)
     models = args.models.split(",")
@@ -116,14 +120,14 @@ def main(argv=None) -> None:
             tokens = {}
             sides = twins(model, copy_rows, chosen)
             for _ in range(args.passes):
-                for side, (twin, side_copy_rows, side_reduce_from) in sides.items():
-                    head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS = side_copy_rows, side_reduce_from
+                for side, (twin, *rules) in sides.items():
+                    head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS, I.SMALL_WEIGHT_MAX_ROWS = rules
                     jax.clear_caches()  # the head rules are read while tracing
                     loop._compiled.clear()
                     seconds, sequences = step_seconds(twin, rows, args.new_tokens, args.repeats)
                     times[side].append(seconds)
                     tokens.setdefault(side, sequences)
-            head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS = copy_rows, reduce_from
+            head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS, I.SMALL_WEIGHT_MAX_ROWS = package_rules
             del sides
             if any(tokens[side] != tokens[SIDES[0]] for side in chosen):
                 sys.exit(f"{name} batch {batch}: the layouts decoded different tokens")

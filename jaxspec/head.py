@@ -2,9 +2,8 @@
 
 A tied head is the embedding read as [D, V] through a transpose of its [V, D] array (on a CPU, a `TransposedWeight`
 that the product reads in place: models/int8.py `tied_head`). For one row XLA:CPU multiplies a contiguous [D, V]
-array fastest; two rows by the embedding's matrix multiply in place; from 3 to 32 rows (a wide verify block, a batch
-of 8) the embedding read in place as an elementwise product and a sum (`_multiply_reduce`), and beyond that by its
-matrix multiply in place.
+array fastest; from 2 to 32 rows (a verify block, a batch of 8) the embedding read in place as an elementwise product
+and a sum (`_multiply_reduce`), and beyond that by its matrix multiply in place.
 
 So on CPU, `generate` hands the loop a contiguous [D, V] copy of a tied head (`verify_head`) and the target's
 verifying forwards of one row use it (`Context.head`, `for_rows`). The copy costs a second embedding's
@@ -43,8 +42,8 @@ COPY_MAX_ROWS = 1
 
 def for_rows(head: jax.Array | None, rows: int) -> jax.Array | None:
     """The verify copy for a forward over `rows` rows (batch x block width), or None where the model's own head
-    multiplies faster: XLA:CPU runs 3 rows or more faster against the tied embedding read in place (figures:
-    docs/design.md, 'Weights on a CPU')."""
+    multiplies faster: XLA:CPU runs 2 rows or more faster against the tied embedding read in place (figures:
+    docs/design.md, 'Weights on a CPU' and 'Every weight by 2-16 rows')."""
     return head if rows <= COPY_MAX_ROWS else None
 
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .loading import Model
+from .models.int8 import TransposedWeight
 from .prompts import choice_setting
 
 MODES = ("auto", "on", "off")
@@ -57,9 +58,13 @@ class LayerStack:
     buffer_of_leaf: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # leaf i reads buffers[j]
 
     def layer(self, index: jax.Array | int) -> dict:
-        """Layer `index`'s params, as `layer.params()` returns them: each buffer read once, at `index`."""
+        """Layer `index`'s params, as `layer.params()` returns them: each buffer read once, at `index`. Their
+        `TransposedWeight`s are marked `sliced`: inside the layer loop they keep their matrix products (models/int8.py,
+        `multiply_reduce_pays`)."""
         sliced = [buffer[index] for buffer in self.buffers]
-        return jax.tree.unflatten(self.treedef, [sliced[j] for j in self.buffer_of_leaf])
+        params = jax.tree.unflatten(self.treedef, [sliced[j] for j in self.buffer_of_leaf])
+        return jax.tree.map(lambda w: dataclasses.replace(w, sliced=True) if isinstance(w, TransposedWeight) else w,
+                            params, is_leaf=lambda w: isinstance(w, TransposedWeight))
 
 
 @jax.jit

@@ -61,6 +61,10 @@ class TransposedWeight:
     # A fused group's members' sizes along the first stored axis, in order (empty: not fused), and this one's place
     group: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
     member: int = dataclasses.field(default=0, metadata=dict(static=True))
+    # A layer's slice of the CPU layer stack, read inside a loop over the layers (jaxspec/layer_stack.py). XLA:CPU
+    # copies such a slice out before any of its product kernels reads it, so the one-pass `_multiply_reduce` gains
+    # nothing there, and from 8 rows loses: such a weight keeps its matrix products (`multiply_reduce_pays`).
+    sliced: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def __getitem__(self, key):
         """`param[...]`, as nnx reads a Variable's value: the weight itself (only `...` is meaningful)."""
@@ -221,12 +225,23 @@ def project_group(spec: str, x: jax.Array, weights) -> tuple[jax.Array, ...]:
     return tuple(jnp.split(out, list(itertools.accumulate(first.group[:-1])), axis=axis))
 
 
-# A weight of MULTIPLY_REDUCE_MIN_WEIGHT elements or more (a tied head read in place; a large model's MLP) is
-# multiplied by 3 to 32 rows as an elementwise product and a sum (`_multiply_reduce`): there it beats XLA:CPU's
-# matrix multiply, which streams a weight that no cache holds 2-4x more slowly than one row's product does
-# (docs/design.md, 'A head by 3-32 rows'). Smaller layer weights keep their matrix products.
-MULTIPLY_REDUCE_MIN_WEIGHT = 1 << 23
-MULTIPLY_REDUCE_MIN_ROWS, MULTIPLY_REDUCE_MAX_ROWS = 3, 32
+# A weight is multiplied by a few rows as an elementwise product and a sum (`_multiply_reduce`): XLA:CPU's matrix
+# multiply of a few rows reads its weight more slowly than one row's product does, and the elementwise product reads
+# it once for all rows. From 2 rows; to 32 for a weight of LARGE_WEIGHT elements or more (a tied head, a large model's
+# MLP), to 16 for the others (at 32 rows they gained nothing measurable in plain steps of SmolLM2, Gemma 3 or
+# Qwen2.5-0.5B). Until 2026-12-07 only large weights took it, from 3 rows: benchmarks/bench_weight_layout.py times that
+# rule beside this one (its side "large weights only"; docs/design.md, 'Every weight by 2-16 rows').
+MULTIPLY_REDUCE_MIN_ROWS, MULTIPLY_REDUCE_MAX_ROWS = 2, 32
+LARGE_WEIGHT = 1 << 23
+SMALL_WEIGHT_MAX_ROWS = 16
+
+
+def multiply_reduce_pays(w: TransposedWeight, rows: int) -> bool:
+    """Whether `_transposed_product` multiplies `rows` rows by `w` as `_multiply_reduce`: on XLA:CPU, from
+    MULTIPLY_REDUCE_MIN_ROWS rows to MULTIPLY_REDUCE_MAX_ROWS (a large weight) or SMALL_WEIGHT_MAX_ROWS, unless `w` is
+    a slice of the layer stack read inside the layer loop (`TransposedWeight.sliced`)."""
+    most = MULTIPLY_REDUCE_MAX_ROWS if w.stored.size >= LARGE_WEIGHT else SMALL_WEIGHT_MAX_ROWS
+    return jax.default_backend() == "cpu" and not w.sliced and MULTIPLY_REDUCE_MIN_ROWS <= rows <= most
 
 
 def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_element_type) -> jax.Array:
@@ -235,10 +250,9 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
     The weight is flattened to [O, C] and x to [N, C]. One row is the matrix-vector product w @ x, the weight as the
     left operand: as the right one, XLA would first copy it into [C, O] (its dot canonicalization wants a right
     operand's contracted axes first). More rows multiply x by the weight's 2-D transpose, which the matrix multiply
-    reads in place (on this layout, faster than one row at a time: docs/design.md, 'Verify blocks on a CPU'). A weight
-    of MULTIPLY_REDUCE_MIN_WEIGHT elements or more (a tied LM head, a large model's MLP) takes `_multiply_reduce` from
-    3 to 32 rows instead. A spec whose contracted axes are not x's trailing ones in the stored order falls back to an
-    einsum (no model code has one)."""
+    reads in place, where `multiply_reduce_pays` does not send them to `_multiply_reduce` (2 to 16 or 32 rows on
+    XLA:CPU). A spec whose contracted axes are not x's trailing ones in the stored order falls back to an einsum (no
+    model code has one)."""
     x_axes, w_axes, out_axes = _parse(spec, x.ndim)
     stored = w.stored_axes(w_axes)
     contracted = "".join(a for a in stored if a in x_axes and a not in out_axes)
@@ -251,8 +265,7 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
     x2 = x.reshape(rows, inner)  # [N, C]
     if rows == 1:
         out = jnp.matmul(w2, x2[0], preferred_element_type=preferred_element_type)[None]  # [1, O]
-    elif (jax.default_backend() == "cpu" and w2.size >= MULTIPLY_REDUCE_MIN_WEIGHT
-          and MULTIPLY_REDUCE_MIN_ROWS <= rows <= MULTIPLY_REDUCE_MAX_ROWS):
+    elif multiply_reduce_pays(w, rows):
         out = _multiply_reduce(x2, w2, preferred_element_type)
     else:
         out = jnp.matmul(x2, w2.T, preferred_element_type=preferred_element_type)  # [N, O]
@@ -263,11 +276,10 @@ def _transposed_product(spec: str, x: jax.Array, w: TransposedWeight, preferred_
 def _multiply_reduce(x2: jax.Array, w2: jax.Array, preferred_element_type) -> jax.Array:
     """x2 [N, C] by w2 [O, C] -> [N, O], as one elementwise product summed over C in [O, N, C] order.
 
-    For a weight of MULTIPLY_REDUCE_MIN_WEIGHT elements or more (a tied LM head read in place, [V, D]; a large model's
-    MLP) and 3 to 32 rows, XLA:CPU fuses this into one pass that reads each weight row once for all N rows, where its
-    matrix multiply of a few rows streams a weight that no cache holds more slowly. Beyond 4
-    rows, x2 is padded with zero rows to a multiple of 8, which XLA:CPU vectorizes better (figures for both:
-    docs/design.md, 'A head by 3-32 rows')."""
+    For 2 to 32 rows (`multiply_reduce_pays`), XLA:CPU runs this as one pass that reads each weight row once for all
+    N rows, where its matrix multiply of a few rows reads the weight more slowly than one row's product does. Beyond 4
+    rows, x2 is padded with zero rows to a multiple of 8, which XLA:CPU vectorizes better (figures: docs/design.md, 'A
+    head by 3-32 rows' and 'Every weight by 2-16 rows')."""
     rows = x2.shape[0]
     padded = rows if rows <= 4 else -(-rows // 8) * 8
     x2 = jnp.pad(x2, ((0, padded - rows), (0, 0)))

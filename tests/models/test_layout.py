@@ -58,24 +58,26 @@ def test_the_head_copy_serves_forwards_of_one_row():
     assert for_rows(copy, 2) is None and for_rows(copy, 8) is None and for_rows(None, 1) is None
 
 
-@pytest.mark.parametrize("rows", [2, 3, 4, 5, 11, 32, 33])
-def test_a_large_weight_takes_the_multiply_reduce_from_3_to_32_rows(rows):
-    """A weight of MULTIPLY_REDUCE_MIN_WEIGHT elements or more, a tied head read in place or a layer's projection
-    stored [out, in], is multiplied as an elementwise product and a sum from 3 to 32 rows (beyond 4 padded to a
-    multiple of 8), by matrix products at 2 and 33; all equal the einsum. A smaller weight keeps its matrix products."""
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 11, 16, 17, 32, 33])
+def test_a_weight_takes_the_multiply_reduce_from_2_rows(rows):
+    """A weight stored [out, in] (a layer's projection; a tied head read in place) is multiplied as an elementwise
+    product and a sum from 2 rows (beyond 4 padded to a multiple of 8) to 32 where it has 2^23 elements or more and to
+    16 where it is smaller; by the matrix-vector product at 1 row and matrix products beyond. So is a slice of the
+    layer stack at every row count (`TransposedWeight.sliced`: XLA:CPU copies it before any kernel reads it). All
+    equal the einsum."""
     dim = 64
-    embed = jax.random.normal(jax.random.PRNGKey(0), (I.MULTIPLY_REDUCE_MIN_WEIGHT // dim + 8, dim))  # [V, D]
+    embed = jax.random.normal(jax.random.PRNGKey(0), (I.LARGE_WEIGHT // dim + 8, dim))  # [V, D]
     hidden = jax.random.normal(jax.random.PRNGKey(rows), (1, rows, dim))
-    reduced = I.MULTIPLY_REDUCE_MIN_ROWS <= rows <= I.MULTIPLY_REDUCE_MAX_ROWS
-    layer = I.contracted_last(embed.T, (0,))  # [D, V] stored [V, D], as a projection's
-    for weight in (I.tied_head(embed), layer):
+    small = I.contracted_last(embed[:1000].T, (0,))  # [D, 1000] stored [1000, D]
+    weights = ((I.tied_head(embed), embed, 32), (I.contracted_last(embed.T, (0,)), embed, 32), (small, embed[:1000], 16))
+    for weight, table, most in weights:
         logits = I.project("...d,dv->...v", hidden, weight, preferred_element_type=jnp.float32)
-        np.testing.assert_allclose(logits, hidden @ embed.T, rtol=1e-4, atol=1e-4)
-        primitives = str(jax.make_jaxpr(lambda h, w: I.project("...d,dv->...v", h, w))(hidden, weight))
-        assert ("reduce_sum" in primitives, "dot_general" in primitives) == (reduced, not reduced)
-    small = I.contracted_last(embed[:1000].T, (0,))
-    primitives = str(jax.make_jaxpr(lambda h, w: I.project("...d,dv->...v", h, w))(hidden, small))
-    assert "reduce_sum" not in primitives and "dot_general" in primitives
+        np.testing.assert_allclose(logits, hidden @ table.T, rtol=1e-4, atol=1e-4)
+        for sliced in (False, True):
+            reduced = 2 <= rows <= most and not sliced
+            weight = dataclasses.replace(weight, sliced=sliced)
+            primitives = str(jax.make_jaxpr(lambda h, w: I.project("...d,dv->...v", h, w))(hidden, weight))
+            assert ("reduce_sum" in primitives, "dot_general" in primitives) == (reduced, not reduced)
 
 
 def _standard(model):
@@ -118,8 +120,9 @@ def test_load_stores_every_layer_projection_transposed_with_the_same_logits_and_
 
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_a_fused_group_is_one_product_equal_to_its_members_products(rows):
-    """q, k and v fused (`I.fuse`): one buffer that every member holds, one dot in the traced product, and the
-    members' products; a member written alone leaves the group, and the products stay equal, one dot each."""
+    """q, k and v fused (`I.fuse`): one buffer that every member holds, one product in the traced forward (a dot, or
+    from 2 rows an elementwise product and a sum), and the members' products; a member written alone leaves the
+    group, and the products stay equal, one each."""
     keys = jax.random.split(jax.random.PRNGKey(rows), 4)
     weights = [jax.random.normal(key, (16, heads, 4)) for key, heads in zip(keys, (4, 2, 2))]  # wq, wk, wv [D, H, Dh]
     members = I.fuse([I.contracted_last(w, (0,)) for w in weights])
@@ -129,20 +132,21 @@ def test_a_fused_group_is_one_product_equal_to_its_members_products(rows):
     spec = "...d,dhk->...hk"
     expected = [jnp.einsum(spec, x, w) for w in weights]
 
-    def dots(group):
-        return str(jax.make_jaxpr(lambda x, g: I.project_group(spec, x, g))(x, group)).count("dot_general")
+    def products(group):
+        jaxpr = str(jax.make_jaxpr(lambda x, g: I.project_group(spec, x, g))(x, group))
+        return jaxpr.count("dot_general") + jaxpr.count("reduce_sum")
 
     for got, want, member, w in zip(I.project_group(spec, x, members), expected, members, weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(I.project(spec, x, member), want, rtol=1e-5, atol=1e-5)  # a member alone
         np.testing.assert_array_equal(member.logical(), w)
-    assert dots(members) == 1
+    assert products(members) == 1
     members[1][...] = weights[1] * 2.0  # wk written: its own array now
     assert not members[1].group and members[1].values is not members[0].values
     got = I.project_group(spec, x, members)
     np.testing.assert_allclose(got[1], 2.0 * expected[1], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got[2], expected[2], rtol=1e-5, atol=1e-5)
-    assert dots(members) == 3
+    assert products(members) == 3
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
