@@ -69,7 +69,8 @@ def test_a_weight_takes_the_multiply_reduce_from_2_rows(rows):
     embed = jax.random.normal(jax.random.PRNGKey(0), (I.LARGE_WEIGHT // dim + 8, dim))  # [V, D]
     hidden = jax.random.normal(jax.random.PRNGKey(rows), (1, rows, dim))
     small = I.contracted_last(embed[:1000].T, (0,))  # [D, 1000] stored [1000, D]
-    weights = ((I.tied_head(embed), embed, 32), (I.contracted_last(embed.T, (0,)), embed, 32), (small, embed[:1000], 16))
+    weights = ((I.tied_head(embed), embed, 32), (I.contracted_last(embed.T, (0,)), embed, 32),
+               (small, embed[:1000], 16))
     for weight, table, most in weights:
         logits = I.project("...d,dv->...v", hidden, weight, preferred_element_type=jnp.float32)
         np.testing.assert_allclose(logits, hidden @ table.T, rtol=1e-4, atol=1e-4)
