@@ -240,7 +240,7 @@ def multiply_reduce_pays(w: TransposedWeight, rows: int) -> bool:
     """Whether `_transposed_product` multiplies `rows` rows by `w` as `_multiply_reduce`: on XLA:CPU, from
     MULTIPLY_REDUCE_MIN_ROWS rows to MULTIPLY_REDUCE_MAX_ROWS (a large weight) or SMALL_WEIGHT_MAX_ROWS, unless `w` is
     a slice of the layer stack read inside the layer loop (`TransposedWeight.sliced`)."""
-    most = MULTIPLY_REDUCE_MAX_ROWS if w.stored.size >= LARGE_WEIGHT else SMALL_WEIGHT_MAX_ROWS
+    most = MULTIPLY_REDUCE_MAX_ROWS if math.prod(w.shape) >= LARGE_WEIGHT else SMALL_WEIGHT_MAX_ROWS
     return jax.default_backend() == "cpu" and not w.sliced and MULTIPLY_REDUCE_MIN_ROWS <= rows <= most
 
 
