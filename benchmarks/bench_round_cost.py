@@ -28,10 +28,11 @@ drafter and EAGLE-3 head jaxspec ships for SmolLM2) forced to draft nothing, by 
 times that round with: what the strategy costs a round in which the adaptive schedule declines to draft, the floor of
 its speed on text it cannot predict. The schedule prices its drafts against this round, so a cost here is one its
 model does not see (docs/design.md, 'A round that drafts nothing'). `--without-feature-writes` adds, for DFlash and
-EAGLE-3, the same idle loop with the committed tokens' features not written into the drafter's cache (its drafts
-would read stale features, but an idle round drafts none): the difference is what those writes cost a round that
-drafts nothing, the A/B an accelerator that prices EAGLE-3's idle round above a plain step needs (docs/design.md, 'On
-a GPU').
+EAGLE-3, the same idle loop with the committed tokens' features neither kept for the drafter nor projected into its
+cache (its drafts would read stale features, but an idle round drafts none): the difference is what those writes
+cost a round that drafts nothing (since they are deferred, an append to a ring and a projection of the ring every
+PENDING_ROUNDS * (K + 1) - K rounds: jaxspec/strategies/base.py `PendingFeatures`), the A/B an accelerator that
+prices EAGLE-3's idle round above a plain step needs (docs/design.md, 'On a GPU').
 
 `--random-config CONFIG.json`: instead of `--model`, a target of that Hugging Face config's shape with random weights
 (in jaxspec's default dtype: bfloat16 on accelerators) and a prompt of random token ids as long as the story's. A
@@ -225,24 +226,25 @@ def _variant_costs_folder() -> tempfile.TemporaryDirectory:
 
 @contextlib.contextmanager
 def feature_writes_skipped(compiled: dict):
-    """Calls inside run DFlash's and EAGLE-3's loops with `write_committed` doing nothing. A compiled loop's key
+    """Calls inside run DFlash's and EAGLE-3's loops with `defer_committed` doing nothing (no committed slot enters
+    the pending ring, none is projected). A compiled loop's key
     cannot see the patch, so the variant's loops live in `compiled` between its calls and the loops that write are
     set aside meanwhile. Its prices (timed where the call is priced, which is where the rounds are forced) go to a
     file of their own, so that the step-cost cache keeps only the real loops'."""
     from jaxspec import costs, loop
     from jaxspec.strategies import dflash, eagle3
 
-    writes, cache_path = (dflash.write_committed, eagle3.write_committed), costs.cache_path
+    writes, cache_path = (dflash.defer_committed, eagle3.defer_committed), costs.cache_path
     writing_loops = dict(loop._compiled)
     loop._compiled.clear()
     loop._compiled.update(compiled)
     folder = _variant_costs_folder().name
     costs.cache_path = lambda: os.path.join(folder, costs.CACHE_FILE)
-    dflash.write_committed = eagle3.write_committed = lambda drafter, result, positions, write, state: state
+    dflash.defer_committed = eagle3.defer_committed = lambda drafter, result, pending, write, state: (state, pending)
     try:
         yield
     finally:
-        dflash.write_committed, eagle3.write_committed = writes
+        dflash.defer_committed, eagle3.defer_committed = writes
         costs.cache_path = cache_path
         compiled.clear()
         compiled.update(loop._compiled)

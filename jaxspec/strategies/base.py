@@ -314,20 +314,70 @@ def room_for_drafts(loop: DecodeState) -> jax.Array:
     return jnp.where(loop.done, 0, jnp.maximum(loop.budget_end - loop.lengths - 1, 0))
 
 
-def write_committed(drafter: Drafter, result: RoundResult, positions: jax.Array,
-                    write: Callable[[jax.Array, jax.Array, Any], Any], state: Any) -> Any:
-    """`write(features, positions, state) -> state` over the round's first slot alone where no row committed more
-    than one token, else over all K + 1 (chosen at run time).
+# A drafter's pending ring holds this many rounds of committed slots (K + 1 each) before it must project them.
+PENDING_ROUNDS = 4
 
-    result.features [B, K+1, F*D], positions [B, K+1] (a slot a row did not commit already points past the buffer).
-    A drafter that projects the committed tokens' features into its own cache (DFlash, EAGLE-3) would otherwise run
-    that projection over all K+1 slots every round: a round that verified one token, the plain step every row
-    takes where drafts do not pay, then cost a K+1-wide projection more than a plain step, a cost the schedule's
-    prices did not hold (docs/design.md, 'The trained heads in batches'). A round that drafted costs more than
-    the projection of its unused slots; widths between 1 and K + 1 would each be another copy of the projection to
-    compile."""
-    widths = (1, drafter.max_draft + 1)  # committed <= K + 1, a tree's too (K is its depth)
-    index = (jnp.max(result.committed) > 1).astype(jnp.int32)
-    branches = [lambda s, w=w: (write(result.features[:, :w], positions[:, :w], s), ()) for w in widths]
-    state, _ = inplace.switch(index, branches, state)
-    return state
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PendingFeatures:
+    """Committed tokens' tapped features that a drafter has not yet projected into its own cache (DFlash's context,
+    EAGLE-3's g): each row's first `count` slots, at `positions`.
+
+    Projecting the one token a plain round commits reads the drafter's projection weights for one row, every round,
+    also where the schedule declines to draft: up to 2% of SmolLM2's plain step on a CPU (docs/design.md, 'Feature
+    writes deferred'). The drafter reads its cache only when it drafts, so the rounds append the committed slots here
+    (a copy of their features) and the projection runs for all of them at once: before a round that drafts, or when
+    the ring could not hold another round. Rollback is unaffected: only committed tokens enter."""
+
+    features: jax.Array  # [B, P, F*D] P = PENDING_ROUNDS * (K + 1)
+    positions: jax.Array  # [B, P] int32, the position of each filled slot
+    count: jax.Array  # [B] int32 slots filled
+    drop: int = dataclasses.field(metadata=dict(static=True))  # a position past the drafter's cache: writes drop it
+
+
+def pending_features(drafter: Drafter, batch: int, width: int, dtype, drop: int) -> PendingFeatures:
+    """An empty ring for `drafter` (K = its max_draft) of features `width` wide (F*D); `drop`: a position the
+    drafter's writes drop (its cache's size)."""
+    slots = PENDING_ROUNDS * (drafter.max_draft + 1)
+    return PendingFeatures(features=jnp.zeros((batch, slots, width), dtype),
+                           positions=jnp.full((batch, slots), drop, jnp.int32),
+                           count=jnp.zeros((batch,), jnp.int32), drop=drop)
+
+
+def defer_committed(drafter: Drafter, result: RoundResult, pending: PendingFeatures,
+                    write: Callable[[jax.Array, jax.Array, Any], Any], state: Any
+                    ) -> tuple[Any, PendingFeatures]:
+    """The round's committed slots appended to `pending`; projected with the rest (`flush_pending`) where the ring
+    could not hold another round's K + 1. result.features [B, K+1, F*D]: slot j sits at position
+    lengths - committed - 1 + j, and slots j < committed hold committed tokens."""
+    batch, slots = result.committed.shape[0], result.features.shape[1]
+    capacity = pending.positions.shape[1]
+    offsets = jnp.arange(slots)[None, :]  # [1, K+1]
+    first = result.lengths - result.committed - 1  # [B]
+    index = jnp.where(offsets < result.committed[:, None], pending.count[:, None] + offsets, capacity)  # [B, K+1]
+    rows = jnp.arange(batch)[:, None]
+    pending = dataclasses.replace(
+        pending, features=pending.features.at[rows, index].set(result.features.astype(pending.features.dtype),
+                                                               mode="drop"),
+        positions=pending.positions.at[rows, index].set(first[:, None] + offsets, mode="drop"),
+        count=pending.count + result.committed)
+    return flush_pending(drafter, pending, write, state, jnp.max(pending.count) > capacity - slots)
+
+
+def flush_pending(drafter: Drafter, pending: PendingFeatures, write: Callable[[jax.Array, jax.Array, Any], Any],
+                  state: Any, when: jax.Array) -> tuple[Any, PendingFeatures]:
+    """`write(features, positions, state) -> state` over the pending slots when `when` ([] bool) and any are
+    pending, then an empty ring. The projection runs over K + 1 slots where no row has more pending (a round that
+    drafts after a round that drafted), else over the whole ring; slots past a row's count are dropped."""
+    narrow, wide = drafter.max_draft + 1, pending.positions.shape[1]
+    most = jnp.max(pending.count)
+    index = jnp.where(when & (most > 0), (most > narrow).astype(jnp.int32), -1)  # -1: no branch runs
+
+    def flush(width: int):
+        filled = jnp.arange(width)[None, :] < pending.count[:, None]  # [B, width]
+        positions = jnp.where(filled, pending.positions[:, :width], pending.drop)
+        return lambda s: (write(pending.features[:, :width], positions, s), ())
+
+    state, _ = inplace.switch(index, [flush(narrow), flush(wide)], state)
+    return state, dataclasses.replace(pending, count=jnp.where(index >= 0, 0, pending.count))

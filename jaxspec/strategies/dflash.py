@@ -2,10 +2,11 @@
 
 The drafter's context is the target's own hidden states at `target_layer_ids` (feature taps, jaxspec/strategies/
 base.py), projected by the drafter and written into its position-indexed context cache at committed positions only:
-from the prompt's chunks, then from each verified round's committed tokens. So rollback is a length, as for every
-cache, and nothing a rejected draft produced is ever read. One drafter forward over `[last, mask x K]` at positions
-L-1 .. L-1+K (L the row's committed length; the context covers the positions below L-1) drafts a whole block;
-the drafts' logits come from the target's LM head.
+from the prompt's chunks, then from each verified round's committed tokens, which wait in a ring until a round drafts
+or the ring is full (`base.PendingFeatures`: a round that drafts nothing projects nothing). So rollback is a length, as
+for every cache, and nothing a rejected draft produced is ever read. One drafter forward over `[last, mask x K]` at
+positions L-1 .. L-1+K (L the row's committed length; the context covers the positions below L-1) drafts a whole
+block; the drafts' logits come from the target's LM head.
 
 Exact sampling: draft j is drawn from the drafter's logits at block position j processed with the prefix it extends
 (the committed tokens and drafts 1..j-1, as the target's logits are when verifying), and q_j is that distribution.
@@ -36,8 +37,8 @@ from ..head import for_rows
 from ..models import int8 as I
 from ..schedule import DraftLength, Schedule, make_schedule, verify_widths
 from ..tree import candidate_weights, draw_candidates, sibling_tree
-from .base import (Context, DecodeState, Draft, Drafter, DraftStep, PrefillChunk, RoundResult, deciding_rows,
-                   room_for_drafts, write_committed)
+from .base import (Context, DecodeState, Draft, Drafter, DraftStep, PendingFeatures, PrefillChunk, RoundResult,
+                   deciding_rows, defer_committed, flush_pending, pending_features, room_for_drafts)
 from .spec import (ASSISTANT_ENSEMBLE_WEIGHT, ASSISTANT_MODEL, NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS_SCHEDULE,
                    TREE, BuildRequest, Option, Strategy, StrategyChoice, check_positive_int, schedule_kind,
                    tree_pricing, tree_shape)
@@ -47,6 +48,7 @@ from .spec import (ASSISTANT_ENSEMBLE_WEIGHT, ASSISTANT_MODEL, NUM_ASSISTANT_TOK
 @dataclasses.dataclass
 class BlockState:
     cache: Any  # the drafter's context cache: each layer's keys and values of the context, by position
+    pending: PendingFeatures  # committed tokens' features not yet projected into `cache`
     length: DraftLength
 
 
@@ -64,7 +66,9 @@ class BlockDrafter(Drafter):
         return {"initial_draft_length": np.int32(self.schedule.initial)}
 
     def init(self, ctx: Context, batch: int, size: int) -> BlockState:
+        width = len(self.feature_layers) * ctx.target.cfg.hidden_size
         return BlockState(cache=ctx.assistant.init_cache(batch, size),
+                          pending=pending_features(self, batch, width, ctx.target.dtype, drop=size),
                           length=self.schedule.init(batch, ctx.draft_inputs["initial_draft_length"]))
 
     def prefill_chunk(self, ctx: Context, state: BlockState, chunk: PrefillChunk) -> BlockState:
@@ -75,6 +79,10 @@ class BlockDrafter(Drafter):
         limit = jnp.minimum(self.schedule.allowed(state.length, deciding_rows(loop)), room_for_drafts(loop))  # [B]
         branches, selects = self.branches, self.selects  # a tree's siblings per depth; keeping the N most probable
         batch, vocab, k = loop.lengths.shape[0], ctx.target.cfg.vocab_size, self.max_draft
+        # The block reads the whole context: the committed tokens still pending enter the cache first.
+        cache, pending = flush_pending(self, state.pending, functools.partial(self._write, ctx), state.cache,
+                                       jnp.any(limit > 0))
+        state = dataclasses.replace(state, cache=cache, pending=pending)
 
         def padded(tokens, probs, weights):  # [B, n, ...] -> [B, K, ...], zero past the n drafts drawn
             def pad(x):
@@ -149,12 +157,11 @@ class BlockDrafter(Drafter):
                 jnp.stack(weights, axis=1) if selects else None)
 
     def update(self, ctx: Context, state: BlockState, result: RoundResult) -> BlockState:
-        """Write the committed tokens' context: slot j of the round sits at lengths - committed - 1 + j."""
-        slots = jnp.arange(result.features.shape[1])[None, :]
-        first = result.lengths - result.committed - 1
-        positions = jnp.where(slots < result.committed[:, None], first[:, None] + slots, state.cache.size)
-        cache = write_committed(self, result, positions, functools.partial(self._write, ctx), state.cache)
-        return BlockState(cache=cache, length=self.schedule.update(state.length, result, self.max_draft))
+        """The committed tokens' features join the pending ring, projected into the context when a round drafts."""
+        cache, pending = defer_committed(self, result, state.pending, functools.partial(self._write, ctx),
+                                         state.cache)
+        return BlockState(cache=cache, pending=pending,
+                          length=self.schedule.update(state.length, result, self.max_draft))
 
     def _write(self, ctx: Context, features: jax.Array, positions: jax.Array, cache):
         """features [B, T, F*D] (the tapped layers, sorted) -> the drafter's context written at positions [B, T]."""

@@ -5,8 +5,9 @@ The head (models/eagle3.py) reads the target's outputs at three layers, which th
 token at t + 1, so the entries of a row with committed length L exist up to L - 2; the entry at L - 2 drafts the
 token at L, and each later draft comes from an entry that reads the previous entry's output and draft.
 
-Caching, as for MTP layers (jaxspec/strategies/mtp.py): g is kept in a position-indexed buffer that each verified
-round writes at its committed positions, and the head's own cache is position-indexed, so rollback is a length.
+Caching, as for MTP layers (jaxspec/strategies/mtp.py): g is kept in a position-indexed buffer, written at each
+verified round's committed positions (their taps wait in a ring until a round drafts or the ring is full:
+`base.PendingFeatures`), and the head's own cache is position-indexed, so rollback is a length.
 `synced` says below which position the head's entries are committed ones, which never change. A drafting round
 recomputes a fixed window of K + 1 entries, [L-2-K, L-2]: at most K + 1 tokens were committed since the head last
 ran, so the window covers every new entry (and those a rejected draft left), and the entries it recomputes
@@ -45,11 +46,14 @@ from .base import (
     Draft,
     Drafter,
     DraftStep,
+    PendingFeatures,
     PrefillChunk,
     RoundResult,
     deciding_rows,
+    defer_committed,
+    flush_pending,
+    pending_features,
     room_for_drafts,
-    write_committed,
 )
 from .spec import (
     ASSISTANT_ENSEMBLE_WEIGHT,
@@ -75,6 +79,7 @@ DEFAULT_DRAFTS = 4  # K where the caller does not say: the issue's and the EAGLE
 class Eagle3State:
     cache: Any  # the head's keys and values, by position
     features: jax.Array  # [B, S, D] g at each position the target verified (projected once, when written)
+    pending: PendingFeatures  # committed tokens' taps not yet projected into `features`
     synced: jax.Array  # [B] the head's entries below synced are committed ones
     length: DraftLength
 
@@ -94,6 +99,8 @@ class Eagle3Drafter(Drafter):
         head = ctx.assistant
         return Eagle3State(cache=head.init_cache(batch, size),
                            features=jnp.zeros((batch, size, head.cfg.hidden_size), head.dtype),
+                           pending=pending_features(self, batch, len(self.feature_layers) * ctx.target.cfg.hidden_size,
+                                                    ctx.target.dtype, drop=size),
                            synced=jnp.zeros((batch,), jnp.int32),
                            length=self.schedule.init(batch, ctx.draft_inputs["initial_draft_length"]))
 
@@ -105,13 +112,10 @@ class Eagle3Drafter(Drafter):
                                                                         state.features))
 
     def update(self, ctx: Context, state: Eagle3State, result: RoundResult) -> Eagle3State:
-        """g of the committed tokens: slot j of the round sits at lengths - committed - 1 + j."""
-        slots = jnp.arange(result.features.shape[1])[None, :]
-        first = result.lengths - result.committed - 1
-        positions = jnp.where(slots < result.committed[:, None], first[:, None] + slots, state.features.shape[1])
-        features = write_committed(self, result, positions, functools.partial(self._write_features, ctx),
-                                   state.features)
-        return dataclasses.replace(state, features=features,
+        """The committed tokens' taps join the pending ring, projected into g when a round drafts."""
+        features, pending = defer_committed(self, result, state.pending,
+                                            functools.partial(self._write_features, ctx), state.features)
+        return dataclasses.replace(state, features=features, pending=pending,
                                    length=self.schedule.update(state.length, result, self.max_draft))
 
     def draft(self, ctx: Context, loop: DecodeState, state: Eagle3State, rng: jax.Array) -> DraftStep:
@@ -123,6 +127,10 @@ class Eagle3Drafter(Drafter):
         count = count.astype(jnp.int32)
         vocab = ctx.target.cfg.vocab_size
         newest = loop.lengths - 2  # [B] the newest committed entry: g at L-2, the token at L-1
+        # The window and the catch-up read g: the committed tokens still pending enter it first.
+        features, pending = flush_pending(self, state.pending, functools.partial(self._write_features, ctx),
+                                          state.features, jnp.any(count > 0))
+        state = dataclasses.replace(state, features=features, pending=pending)
 
         def draw(step: int, outputs, history, step_rng):
             """Draft `step` (0-based, the token at L + step) from an entry's output [B, D] -> (the chain's token [B],

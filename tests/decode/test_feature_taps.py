@@ -16,7 +16,8 @@ import torch
 import jaxspec
 from jaxspec import settings as settings_lib
 from jaxspec.strategies.draft_model import DraftModelDrafter
-from jaxspec.strategies.base import Context, Drafter, PrefillChunk, RoundResult, write_committed
+from jaxspec.strategies.base import (PENDING_ROUNDS, Context, Drafter, PrefillChunk, RoundResult, defer_committed,
+                                     flush_pending, pending_features)
 from jaxspec.schedule import make_schedule
 from tests.fixtures import hf_models
 
@@ -82,29 +83,91 @@ def test_committed_positions_get_the_tapped_layers(tmp_path, family):
         np.testing.assert_allclose(features[row, :fed], expected[:fed], atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("committed, width", [((1, 1, 0), 1), ((0, 0, 0), 1), ((1, 2, 1), 8), ((0, 8, 5), 8)])
-def test_a_round_projects_only_the_slots_its_rows_committed(committed, width):
-    """`write_committed` hands a drafter's projection one slot where no row committed more than one token, else all
-    K + 1 (K = 7), and what it writes equals a write of all K + 1 slots: an idle round projects one slot (K + 1 made
-    DFlash's idle rounds at batch 32 cost 5% more than a plain step)."""
-    batch, k1, size, dim = len(committed), 8, 16, 3
+K = 7  # the ring tests' drafter: K + 1 = 8 slots a round, a ring of PENDING_ROUNDS * 8
+SIZE, DIM = 96, 3
+
+
+def _ring_round(committed, lengths, key):
+    """A verified round whose rows committed `committed` ([B]) tokens, now at `lengths`; features random."""
     committed = jnp.asarray(committed, jnp.int32)
-    features = jax.random.normal(jax.random.key(0), (batch, k1, dim))
-    lengths = jnp.asarray([9, 5, 7], jnp.int32)
-    slots = jnp.arange(k1)[None, :]
-    first = lengths - committed - 1
-    positions = jnp.where(slots < committed[:, None], first[:, None] + slots, size)  # uncommitted: past the buffer
-    result = RoundResult(drafted=committed, accepted=committed, committed=committed, tokens=jnp.zeros((batch, k1)),
-                         hidden=features, lengths=lengths, features=features)
+    features = jax.random.normal(key, (committed.shape[0], K + 1, DIM))
+    return RoundResult(drafted=committed, accepted=committed, committed=committed,
+                       tokens=jnp.zeros((committed.shape[0], K + 1), jnp.int32), hidden=features,
+                       lengths=jnp.asarray(lengths, jnp.int32), features=features)
 
-    def write(taps, at, state):
-        buffer, widths = state
-        rows = jnp.arange(batch)[:, None]
-        return buffer.at[rows, at].set(2.0 * taps, mode="drop"), widths.at[0].set(taps.shape[1])
 
-    empty = (jnp.zeros((batch, size, dim)), jnp.zeros((1,), jnp.int32))
-    written, used = jax.jit(lambda r, p: write_committed(Drafter(max_draft=k1 - 1), r, p, write, empty))(result,
-                                                                                                        positions)
-    expected, _ = write(features, positions, empty)
-    assert int(used[0]) == width
-    np.testing.assert_array_equal(np.asarray(written), np.asarray(expected))
+def _recording_write(taps, at, state):
+    """A drafter's projection stand-in: writes 2 * taps at positions `at` (dropped past the buffer), and records the
+    width it was handed and how often it ran."""
+    buffer, widths = state
+    rows = jnp.arange(buffer.shape[0])[:, None]
+    return buffer.at[rows, at].set(2.0 * taps, mode="drop"), widths.at[taps.shape[1]].add(1)
+
+
+def _eager_write(result, state):
+    """The round's committed slots written at once, as drafters did before the ring."""
+    offsets = jnp.arange(K + 1)[None, :]
+    first = result.lengths - result.committed - 1
+    positions = jnp.where(offsets < result.committed[:, None], first[:, None] + offsets, SIZE)
+    return _recording_write(result.features, positions, state)
+
+
+@jax.jit
+def _ring_rounds(committed_by_round, drafting_by_round):
+    """Rounds [R] of ragged commits ([R, B]), each flushing first where it drafts ([R] bool), then deferring its
+    commits, beside the same rounds written eagerly -> (ring buffer, eager buffer, widths the ring projected)."""
+    batch = committed_by_round.shape[1]
+    empty = (jnp.zeros((batch, SIZE, DIM)), jnp.zeros((PENDING_ROUNDS * (K + 1) + 1,), jnp.int32))
+    pending = pending_features(Drafter(max_draft=K), batch, DIM, jnp.float32, drop=SIZE)
+    drafter = Drafter(max_draft=K)
+
+    def one_round(carry, xs):
+        ring, pending, eager, lengths = carry
+        committed, drafting, key = xs
+        ring, pending = flush_pending(drafter, pending, _recording_write, ring, drafting)
+        # A drafting round reads what the eager writes hold, so the ring's buffer must hold it too.
+        mismatch = jnp.any(jnp.where(drafting, ring[0] != eager[0], False))
+        lengths = lengths + committed
+        result = _ring_round(committed, lengths, key)
+        ring, pending = defer_committed(drafter, result, pending, _recording_write, ring)
+        eager = _eager_write(result, eager)
+        return (ring, pending, eager, lengths), mismatch
+
+    keys = jax.random.split(jax.random.key(0), committed_by_round.shape[0])
+    start = (empty, pending, empty, jnp.full((batch,), 5, jnp.int32))
+    (ring, pending, eager, _), mismatches = jax.lax.scan(one_round, start, (committed_by_round, drafting_by_round,
+                                                                             keys))
+    ring, _ = flush_pending(drafter, pending, _recording_write, ring, jnp.ones((), bool))
+    return ring, eager, mismatches
+
+
+def test_pending_features_reach_the_drafter_as_eager_writes_would():
+    """Rounds of ragged commits (0 to K + 1 a row, finished rows committing nothing), some drafting: whenever a round
+    drafts, the drafter's buffer holds exactly what writing every round's committed slots at once would have put
+    there, and so does it after a last flush."""
+    rng = np.random.default_rng(0)
+    rounds, batch = 60, 3
+    committed = rng.integers(0, K + 2, (rounds, batch))
+    committed[rng.random((rounds, batch)) < 0.5] = 1  # plain rounds, as the schedule runs most of them
+    committed[40:, 2] = 0  # a finished row
+    drafting = rng.random(rounds) < 0.2
+    (ring, _), (eager, _), mismatches = _ring_rounds(jnp.asarray(committed, jnp.int32), jnp.asarray(drafting))
+    assert not np.any(np.asarray(mismatches))
+    np.testing.assert_array_equal(np.asarray(ring), np.asarray(eager))
+
+
+def test_idle_rounds_project_nothing_until_the_ring_is_full():
+    """Rounds that commit one token each and draft nothing append to the ring and run no projection until it could
+    not hold another round's K + 1 slots; then one projection of the whole ring. A round that drafts after at most
+    K + 1 pending slots projects K + 1 of them, not the ring."""
+    capacity = PENDING_ROUNDS * (K + 1)
+    idle = capacity - K  # rounds until the ring holds more than capacity - (K + 1)
+    committed = jnp.ones((idle, 2), jnp.int32)
+    (_, widths), _, _ = _ring_rounds(committed, jnp.zeros((idle,), bool))
+    widths = np.asarray(widths)
+    assert widths[capacity] == 1 and widths.sum() == 1  # one flush of the whole ring, at the last round
+
+    committed = jnp.asarray([[3, 1], [1, 1], [8, 1]], jnp.int32)  # each round drafts after <= K + 1 pending
+    (_, widths), _, _ = _ring_rounds(committed, jnp.asarray([False, True, True]))
+    widths = np.asarray(widths)
+    assert widths[K + 1] == 3 and widths.sum() == 3  # two drafting rounds and the last flush, K + 1 wide each
