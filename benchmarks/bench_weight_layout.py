@@ -16,7 +16,9 @@ The sides share one loaded model (float32); `--sides` picks some by their number
 - `unfused`: the model as loaded, but each projection in its own array and product, as before a layer's q, k and v,
   and its gate and up, were fused into one buffer and one product each (`jaxspec.layout.FUSED_GROUPS`);
 - `large weights only`: the model as loaded, with the elementwise product and sum kept to weights of 2^23 elements or
-  more from 3 rows on, as before every weight took it from 2 rows (models/int8.py, `multiply_reduce_pays`).
+  more from 3 rows on, as before every weight took it from 2 rows (models/int8.py, `multiply_reduce_pays`);
+- `step at the loop's top`: the model as loaded, plain decoding's step at the top of the rounds loop rather than nested
+  in a branch, as before 2026-12-07 (jaxspec/loop.py, `NESTED_PLAIN_STEP`).
 
 Per model and batch size (rows from benchmarks/bench.py's prompts, ragged), each side decodes `--new-tokens` tokens
 with no end-of-sequence stop. A step is one target forward: (decode seconds - prefill seconds) / (new tokens - 1),
@@ -36,12 +38,14 @@ import sys
 
 from _record import Record, add_results_argument
 
-SIDES = ("[out, in]", "[in, out]", "[in, out], copy", "matrix head", "unfused", "large weights only")
+SIDES = ("[out, in]", "[in, out]", "[in, out], copy", "matrix head", "unfused", "large weights only",
+         "step at the loop's top")
 BANDWIDTH_MB = 512
 
 
 def twins(model, copy_rows: int, chosen) -> dict:
-    """{side: (model, head copy rows, first row count of the multiply-reduce, its last for small weights)} for the
+    """{side: (model, head copy rows, first row count of the multiply-reduce, its last for small weights, whether the
+    plain step is nested)} for the
     `chosen` sides of one loaded model, each built only when chosen: the sides share every array but the projections.
     `copy_rows`: the package's own `COPY_MAX_ROWS`."""
     from flax import nnx
@@ -55,11 +59,12 @@ def twins(model, copy_rows: int, chosen) -> dict:
         graphdef, state = nnx.split(model.module)
         return dataclasses.replace(model, module=nnx.merge(graphdef, standard_layout(state)))
 
-    reduce = (I.MULTIPLY_REDUCE_MIN_ROWS, I.SMALL_WEIGHT_MAX_ROWS)
-    never = (1 << 30, 0)
+    reduce = (I.MULTIPLY_REDUCE_MIN_ROWS, I.SMALL_WEIGHT_MAX_ROWS, True)
+    never = (1 << 30, 0, True)
     build = {SIDES[0]: lambda: (model, copy_rows, *reduce), SIDES[1]: lambda: (standard(), copy_rows, *reduce),
-             SIDES[2]: lambda: (standard(), 1 << 30, *never), SIDES[3]: lambda: (model, 4, 1 << 30, 0),
-             SIDES[4]: lambda: (unfused(model), copy_rows, *reduce), SIDES[5]: lambda: (model, copy_rows, 3, 0)}
+             SIDES[2]: lambda: (standard(), 1 << 30, *never), SIDES[3]: lambda: (model, 4, 1 << 30, 0, True),
+             SIDES[4]: lambda: (unfused(model), copy_rows, *reduce), SIDES[5]: lambda: (model, copy_rows, 3, 0, True),
+             SIDES[6]: lambda: (model, copy_rows, *reduce[:2], False)}
     return {side: build[side]() for side in chosen}
 
 
@@ -96,7 +101,10 @@ def main(argv=None) -> None:
     from jaxspec import head, loop
     from jaxspec.models import int8 as I
 
-    package_rules = head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS, I.SMALL_WEIGHT_MAX_ROWS
+    def set_rules(rules):  # each read while tracing
+        head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS, I.SMALL_WEIGHT_MAX_ROWS, loop.NESTED_PLAIN_STEP = rules
+
+    package_rules = head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS, I.SMALL_WEIGHT_MAX_ROWS, loop.NESTED_PLAIN_STEP
     copy_rows = head.COPY_MAX_ROWS
     chosen = SIDES if args.sides == "all" else [SIDES[0]] + [SIDES[int(i)] for i in args.sides.split(",") if i != "0"]
     bandwidth = measure_read_bandwidth(BANDWIDTH_MB)
@@ -121,13 +129,13 @@ def main(argv=None) -> None:
             sides = twins(model, copy_rows, chosen)
             for _ in range(args.passes):
                 for side, (twin, *rules) in sides.items():
-                    head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS, I.SMALL_WEIGHT_MAX_ROWS = rules
-                    jax.clear_caches()  # the head rules are read while tracing
+                    set_rules(rules)
+                    jax.clear_caches()
                     loop._compiled.clear()
                     seconds, sequences = step_seconds(twin, rows, args.new_tokens, args.repeats)
                     times[side].append(seconds)
                     tokens.setdefault(side, sequences)
-            head.COPY_MAX_ROWS, I.MULTIPLY_REDUCE_MIN_ROWS, I.SMALL_WEIGHT_MAX_ROWS = package_rules
+            set_rules(package_rules)
             del sides
             if any(tokens[side] != tokens[SIDES[0]] for side in chosen):
                 sys.exit(f"{name} batch {batch}: the layouts decoded different tokens")

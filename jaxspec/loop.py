@@ -315,6 +315,12 @@ def _prefill(spec: LoopSpec, target_state, assistant_state, tokens, prompt_lengt
     )
 
 
+# Plain decoding's step (K = 0) runs nested in a branch on XLA:CPU (a one-trip while loop, jaxspec.inplace), as every
+# strategy's round of width 1 already does, rather than at the top of the rounds loop: the same kernels run faster
+# there at a few rows (SmolLM2: 5% at 8 rows, 7% at 16; the same at 1 and 32; docs/design.md, 'Plain steps in a
+# branch'). Read while tracing; False is the loop before 2026-12-07, which benchmarks/bench_weight_layout.py times.
+NESTED_PLAIN_STEP = True
+
 def _rounds(spec: LoopSpec, target_state, assistant_state, state: DecodeState, inputs: LoopInputs,
             max_rounds) -> DecodeState:
     """Run rounds until every row is done, or `max_rounds` rounds have run (the state then resumes in a next call)."""
@@ -421,7 +427,12 @@ def _verify_round(spec: LoopSpec, ctx: Context, state: DecodeState, step: DraftS
                                        on_chain=jnp.zeros((batch,), jnp.int32))
 
     if k == 0:
-        cache, checked = plain_step(step.target_cache)
+        if not (NESTED_PLAIN_STEP and jax.default_backend() == "cpu"):
+            cache, checked = plain_step(step.target_cache)
+            return checked, cache
+        # The branch is skipped only where every row is done, which the loop's condition never lets reach a round.
+        running = jnp.where(jnp.all(state.done), -1, 0)  # -1: no branch runs
+        cache, checked = inplace.switch(running, [plain_step], step.target_cache)
         return checked, cache
 
     def verify_block(width: int, cache):

@@ -78,6 +78,23 @@ def test_rounds_loop_never_copies_a_whole_cache(tiny_llama_dir, tiny_llama_draft
     assert _caches(text, copies=True) == []  # ... and never copied
 
 
+
+def test_plain_decoding_steps_nested_in_a_branch_on_a_cpu(tiny_llama_dir):
+    """On XLA:CPU plain decoding's step runs inside a one-trip branch, as a strategy's round of width 1 does (the same
+    kernels run faster there at a few rows: jaxspec/loop.py `NESTED_PLAIN_STEP`), and decodes what the step at the top
+    of the rounds loop decodes."""
+    target = jaxspec.load(tiny_llama_dir)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    sequences, scopes = {}, {}
+    for nested in (True, False):
+        with patched(loop, jax_caches=False, NESTED_PLAIN_STEP=nested):
+            sequences[nested] = jaxspec.generate(target, prompts, max_new_tokens=6, eos_token_id=[]).sequences
+            (text,) = [compiled.as_text() for compiled in loop.compiled("rounds")]
+        # where the decoder layers run: the rounds loop's body, or a while loop (the branch) inside it
+        scopes[nested] = set(re.findall(r'op_name="jit\(_rounds\)/((?:while/body/)+)jit\(_layer_call\)', text))
+    assert scopes == {True: {"while/body/while/body/"}, False: {"while/body/"}}
+    np.testing.assert_array_equal(sequences[True], sequences[False])
+
 def _layer_cache_copies(text: str, layer_shape: tuple[int, ...]) -> list[str]:
     """Copies and transposes in optimized HLO of an array with the axes of one layer's cache (`layer_shape`, unit axes
     aside, in any order): keys or values rearranged into another layout. XLA writes a rearrangement as a transpose
