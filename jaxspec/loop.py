@@ -317,8 +317,8 @@ def _prefill(spec: LoopSpec, target_state, assistant_state, tokens, prompt_lengt
 
 # Plain decoding's step (K = 0) runs nested in a branch on XLA:CPU (a one-trip while loop, jaxspec.inplace), as every
 # strategy's round of width 1 already does, rather than at the top of the rounds loop: the same kernels run faster
-# there at a few rows (SmolLM2: 5% at 8 rows, 10% at 16; the same at 1 and 32; docs/design.md, 'Plain steps in a
-# branch'). Read while tracing; False is the loop before 2026-12-07, which benchmarks/bench_weight_layout.py times.
+# there for batches of a few rows, and as fast for one row (figures: docs/design.md, 'Plain steps in a branch'). Read
+# while tracing; False is the loop before 2026-12-07, which benchmarks/bench_weight_layout.py times.
 NESTED_PLAIN_STEP = True
 
 

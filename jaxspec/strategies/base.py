@@ -325,10 +325,11 @@ class PendingFeatures:
     EAGLE-3's g): each row's first `count` slots, at `positions`.
 
     Projecting the one token a plain round commits reads the drafter's projection weights for one row, every round,
-    also where the schedule declines to draft: up to 2% of SmolLM2's plain step on a CPU (docs/design.md, 'Feature
-    writes deferred'). The drafter reads its cache only when it drafts, so the rounds append the committed slots here
-    (a copy of their features) and the projection runs for all of them at once: before a round that drafts, or when
-    the ring could not hold another round. Rollback is unaffected: only committed tokens enter."""
+    also where the schedule declines to draft: a cost in every idle round, the unit the schedule's prices are
+    measured in, so one its model cannot see (figures: docs/design.md, 'Feature writes deferred'). The drafter reads
+    its cache only when it drafts, so the rounds append the committed slots here (a copy of their features) and the
+    projection runs for all of them at once: before a round that drafts, or when the ring could not hold another
+    round. Rollback is unaffected: only committed tokens enter."""
 
     features: jax.Array  # [B, P, F*D] P = PENDING_ROUNDS * (K + 1)
     positions: jax.Array  # [B, P] int32, the position of each filled slot
