@@ -45,9 +45,8 @@ BANDWIDTH_MB = 512
 
 def twins(model, copy_rows: int, chosen) -> dict:
     """{side: (model, head copy rows, first row count of the multiply-reduce, its last for small weights, whether the
-    plain step is nested)} for the
-    `chosen` sides of one loaded model, each built only when chosen: the sides share every array but the projections.
-    `copy_rows`: the package's own `COPY_MAX_ROWS`."""
+    plain step is nested)} for the `chosen` sides of one loaded model, each built only when chosen: the sides share
+    every array but the projections. `copy_rows`: the package's own `COPY_MAX_ROWS`."""
     from flax import nnx
 
     from _bench_plans import unfused

@@ -118,8 +118,8 @@ def _ring_rounds(committed_by_round, drafting_by_round):
     commits, beside the same rounds written eagerly -> (ring buffer, eager buffer, widths the ring projected)."""
     batch = committed_by_round.shape[1]
     empty = (jnp.zeros((batch, SIZE, DIM)), jnp.zeros((PENDING_ROUNDS * (K + 1) + 1,), jnp.int32))
-    pending = pending_features(Drafter(max_draft=K), batch, DIM, jnp.float32, drop=SIZE)
     drafter = Drafter(max_draft=K)
+    pending = pending_features(drafter, batch, DIM, jnp.float32, drop=SIZE)
 
     def one_round(carry, xs):
         ring, pending, eager, lengths = carry

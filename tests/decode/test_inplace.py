@@ -78,7 +78,6 @@ def test_rounds_loop_never_copies_a_whole_cache(tiny_llama_dir, tiny_llama_draft
     assert _caches(text, copies=True) == []  # ... and never copied
 
 
-
 def test_plain_decoding_steps_nested_in_a_branch_on_a_cpu(tiny_llama_dir):
     """On XLA:CPU plain decoding's step runs inside a one-trip branch, as a strategy's round of width 1 does (the same
     kernels run faster there at a few rows: jaxspec/loop.py `NESTED_PLAIN_STEP`), and decodes what the step at the top
