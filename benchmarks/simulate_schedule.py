@@ -1,11 +1,12 @@
 """The adaptive schedule's decisions without the machine's noise: its own `Schedule`, driven on the host.
 
     python benchmarks/simulate_schedule.py [--tokens 32] [--seeds 12] [--only "CPU MTP"] [--probe-unit 0.05]
-                                           [--shadow-probes after-miss]
+                                           [--shadow-probes after-miss] [--depth-rates pooled]
 
 Each scenario is a batch of rows that accept each draft with a fixed probability (or, for text that repeats in
 bursts, a probability that follows the row's position: so many tokens at one rate, then so many at another, over and
-over), and the prices of a loop at that batch (each verify width and one draft, in plain steps: what
+over; or, for drafters whose later drafts land more or less often than their first, a probability for each depth,
+given the drafts before it were accepted: `ByDepth`), and the prices of a loop at that batch (each verify width and one draft, in plain steps: what
 jaxspec/costs.py measures). Every round asks the schedule how many drafts the batch proposes (for its rows furthest
 from done, as the loop's `deciding_rows` does), draws each row's accepted drafts, and updates the schedule with the
 round, as the compiled loop does, until every row has its tokens; the batch then ends with its slowest row, as a
@@ -21,6 +22,14 @@ import dataclasses
 import sys
 
 import numpy as np
+
+@dataclasses.dataclass(frozen=True)
+class ByDepth:
+    """A row's acceptance at each draft depth 1, 2, ... (given the drafts before it were accepted); the last one holds
+    for every depth past the tuple."""
+
+    rates: tuple[float, ...]
+
 
 # (name, rows' acceptance rates, verify costs of each width, draft cost[, K[, a drafting round's fixed cost]]), all in
 # plain steps; K (the longest draft) is 2, widths 1, 2 and 3, unless a scenario names it
@@ -61,13 +70,40 @@ SCENARIOS = (
     ("CPU DFlash, batch 1 at 0.36", (0.36,), (1.0, 1.55, 2.3, 3.0), 0.02, 7, 0.49),
     ("CPU DFlash, batch 1 at 0", (0.0,), (1.0, 1.55, 2.3, 3.0), 0.02, 7, 0.49),
     ("CPU EAGLE-3, batch 1 at 0.45", (0.45,), (1.0, 1.55, 2.3, 2.5), 0.06, 4, 0.04),
+    # The same drafters with their held-out acceptance at each depth, replayed with 4 drafts a round (each asset's
+    # training.json) and their prices
+    # on 2026-12-07's Intel Xeon host (jaxspec/costs.py's stored prices, in plain steps of 28.4 ms): DFlash's later
+    # drafts land less often than its first, EAGLE-3's more often. Scaled up (`x1.6`): text the drafters predict
+    # better, as bench.py's code prompts.
+    ("CPU DFlash by depth, batch 1, held out", (ByDepth((0.34, 0.20, 0.21, 0.14)),), (1.0, 1.89, 1.92, 2.2), 0.03,
+     7, 0.32),
+    ("CPU DFlash by depth, batch 1, held out x1.6", (ByDepth((0.54, 0.32, 0.34, 0.22)),), (1.0, 1.89, 1.92, 2.2),
+     0.03, 7, 0.32),
+    ("CPU DFlash by depth, batch 1, held out x2.5", (ByDepth((0.85, 0.5, 0.52, 0.35)),), (1.0, 1.89, 1.92, 2.2),
+     0.03, 7, 0.32),
+    ("CPU EAGLE-3 by depth, batch 1, held out", (ByDepth((0.41, 0.47, 0.62, 0.47)),), (1.0, 1.86, 1.96, 2.02), 0.065,
+     4, 0.05),
+    ("CPU EAGLE-3 by depth, batch 1, held out x1.6", (ByDepth((0.66, 0.75, 0.98, 0.75)),), (1.0, 1.86, 1.96, 2.02),
+     0.065, 4, 0.05),
+    # The same acceptance at an accelerator's prices: a Llama-3.1-8B-shaped target at batch 8 on an H200 verified a
+    # block of 4 for 1.19 plain steps (docs/design.md, 'The second lease'); wider blocks here grow at the same rate,
+    # and a DFlash forward is taken as 0.15 of a step.
+    ("GPU-like prices, DFlash by depth, held out", (ByDepth((0.34, 0.20, 0.21, 0.14)),) * 8,
+     (1.0, 1.06, 1.19, 1.45), 0.01, 7, 0.15),
+    ("GPU-like prices, DFlash by depth, held out x1.6", (ByDepth((0.54, 0.32, 0.34, 0.22)),) * 8,
+     (1.0, 1.06, 1.19, 1.45), 0.01, 7, 0.15),
+    ("GPU-like prices, EAGLE-3 by depth, held out", (ByDepth((0.41, 0.47, 0.62, 0.47)),) * 8,
+     (1.0, 1.06, 1.19, 1.25), 0.03, 4, 0.02),
 )
 
 
-def rate_at(rate, position: int) -> float:
-    """A row's acceptance at its `position`-th new token: a fixed rate, or (tokens, rate) segments repeated."""
+def rate_at(rate, position: int, depth: int = 1) -> float:
+    """A row's acceptance of its `depth`-th draft (from 1) at its `position`-th new token: a fixed rate, one for each
+    depth (`ByDepth`), or (tokens, rate) segments repeated."""
     if isinstance(rate, float):
         return rate
+    if isinstance(rate, ByDepth):
+        return rate.rates[min(depth, len(rate.rates)) - 1]
     position %= sum(length for length, _ in rate)
     for length, value in rate:
         if position < length:
@@ -85,7 +121,7 @@ class Run:
 
 
 def simulate(rates, verify_costs, draft_cost: float, tokens: int, seeds, max_draft: int = 2, round_cost: float = 0.0,
-             shadow_probes: str = "first-and-after-miss") -> list[Run]:
+             shadow_probes: str = "first-and-after-miss", depth_rates: str = "per-depth") -> list[Run]:
     """Batches decoded to `tokens` new tokens a row, one per seed in `seeds`, with drafts accepted at `rates` ([B],
     each `rate_at`). The schedule's decision and update are compiled once for all seeds: run eagerly, dispatching
     their many small ops one at a time was most of the simulation's time.
@@ -94,15 +130,19 @@ def simulate(rates, verify_costs, draft_cost: float, tokens: int, seeds, max_dra
     one draft but commits one token, the plain step's, at the plain step's price and the draft's work
     (`Schedule.shadow_price`); the schedule learns whether each row's draft was that token, as the loop hands it over.
     `shadow_probes` (one of `Schedule.SHADOW_RULES`): the schedule's rule, or the what-ifs of only probes after a miss
-    in the shadow (as before 2026-12-07) and of every probe verified (as before 2026-12-06).
+    in the shadow (as before 2026-12-07) and of every probe verified (as before 2026-12-06). `depth_rates` (one of
+    `Schedule.DEPTH_RULES`): the schedule's estimate of each depth's acceptance, or the what-if of one rate pooled
+    over depths (as before 2026-12-07).
     """
     from jaxspec.schedule import Schedule
 
-    default, Schedule.SHADOW_PROBES = Schedule.SHADOW_PROBES, shadow_probes  # read when `decide` and `update` trace
+    # read when `decide` and `update` trace
+    defaults = Schedule.SHADOW_PROBES, Schedule.DEPTH_RATES
+    Schedule.SHADOW_PROBES, Schedule.DEPTH_RATES = shadow_probes, depth_rates
     try:
         return _simulate(rates, verify_costs, draft_cost, tokens, seeds, max_draft, round_cost)
     finally:
-        Schedule.SHADOW_PROBES = default
+        Schedule.SHADOW_PROBES, Schedule.DEPTH_RATES = defaults
 
 
 def _simulate(rates, verify_costs, draft_cost: float, tokens: int, seeds, max_draft: int, round_cost: float):
@@ -144,7 +184,8 @@ def _simulate(rates, verify_costs, draft_cost: float, tokens: int, seeds, max_dr
             drafts = int(drafts)
             accepted = np.zeros(batch, np.int32)  # [B] the leading drafts each row's target agrees with
             for row in range(batch):
-                while accepted[row] < drafts and rng.random() < rate_at(rates[row], done[row] + accepted[row]):
+                while accepted[row] < drafts and rng.random() < rate_at(rates[row], done[row] + accepted[row],
+                                                                         accepted[row] + 1):
                     accepted[row] += 1
             if in_shadow:  # the plain step's token; the first draft judged against it
                 shadow_hits, accepted = accepted > 0, np.zeros(batch, np.int32)
@@ -175,6 +216,9 @@ def main(argv=None) -> int:
                         help="which probes run a plain step and judge their draft against its token: the schedule's "
                              "rule (a row's first probe and those after a missed one), or the what-ifs of only those "
                              "after a miss and of every probe verified (`simulate`)")
+    parser.add_argument("--depth-rates", choices=Schedule.DEPTH_RULES, default=Schedule.DEPTH_RATES,
+                        help="how a row's acceptance is estimated: the schedule's rule (each draft depth from its own "
+                             "counts) or the what-if of one rate pooled over depths (`simulate`)")
     args = parser.parse_args(argv)
     if args.probe_unit is not None:
         Schedule.PROBE_UNIT = args.probe_unit  # read on the host when the schedule spaces its probes
@@ -185,7 +229,7 @@ def main(argv=None) -> int:
         if args.only not in name:
             continue
         runs = simulate(rates, verify_costs, draft_cost, args.tokens, range(args.seeds), *extra,
-                        shadow_probes=args.shadow_probes)
+                        shadow_probes=args.shadow_probes, depth_rates=args.depth_rates)
         mean = {field: np.mean([getattr(r, field) for r in runs]) for field in ("rounds", "drafting", "probes")}
         speedup = np.mean([args.tokens / r.cost for r in runs])
         print(f"| {name} | {mean['rounds']:.1f} | {mean['drafting']:.1f} | {mean['probes']:.1f} | {speedup:.3f}x |",

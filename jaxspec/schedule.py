@@ -33,8 +33,11 @@ class DraftLength:
     num_tokens: jax.Array  # [B] the row's draft length (constant, heuristic), or the adaptive schedule's last choice
     misses: jax.Array  # [B] adaptive: probes in a row that did not pay (or that the row sat out, with no draft)
     cooldown: jax.Array  # [B] adaptive: rounds until the next probe, while drafting does not pay
-    accepted: jax.Array  # [B] float, adaptive: decayed count of accepted drafts (prior pseudo-counts included)
-    judged: jax.Array  # [B] float, adaptive: decayed count of drafts verification judged (accepted or the rejected one)
+    # [B, D] float, adaptive: decayed counts of the drafts at each depth 1..D (D: the longest draft the widths hold)
+    # that verification accepted, and that it judged (accepted or the rejected one); the prior's pseudo-counts are
+    # the first depth's (`Schedule.acceptance`)
+    accepted: jax.Array
+    judged: jax.Array
     # A tree drafter's chain and its alternatives: accepted / judged count the chain's drafts (RoundResult.on_chain);
     # these count, in rounds that drafted a tree, the depths at which the chain's token or an alternative was accepted
     # and the depths judged (adaptive, tree schedules)
@@ -114,12 +117,12 @@ class Prices:
 class Schedule:
     """How a row's draft length follows what verification accepted.
 
-    - "adaptive" (jaxspec's default for every drafter): each row keeps a decayed estimate of the probability that a
-      draft is accepted (its `accepted` / `judged` counts, with a prior). A round's verify block is one forward for the
+    - "adaptive" (jaxspec's default for every drafter): each row keeps a decayed estimate of the probability that its
+      draft at each depth is accepted (`acceptance`: its `accepted` / `judged` counts, with a prior). A round's verify block is one forward for the
       whole batch, as wide as its longest draft, so the batch decides together: each round it drafts the length with the
       most expected tokens per cost summed over its deciding rows, the running rows furthest from done
       (`strategies.base.deciding_rows`: a batch ends with its last row, so drafts for rows ahead buy nothing). A block
-      of d drafts commits (1 - a^(d+1)) / (1 - a) tokens on average for a row of acceptance a, and costs `verify_costs`
+      of d drafts commits 1 + a_1 + a_1 a_2 + ... + a_1 ... a_d tokens on average to a row, and costs `verify_costs`
       of its width (measured at the batch it runs: a [8, 4] block does not cost what a [1, 4] block costs) plus
       `draft_cost` per draft (drafting-model steps, in target steps). Every row then drafts that length (a width already
       paid verifies a row's extra drafts for nothing). When no length beats a plain step, the batch does not draft,
@@ -163,6 +166,14 @@ class Schedule:
 
     PRIOR_ACCEPTANCE = 0.6  # before any evidence, a row assumes this acceptance ...
     PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
+    # A deeper draft's acceptance (given the drafts before it accepted) leans on the depth above it with this many
+    # judged drafts' weight, so that a depth with little evidence of its own is priced like the one above it
+    DEPTH_PRIOR_WEIGHT = 1.0
+    # How a row's acceptance is estimated (`acceptance`): "per-depth", each depth from its own counts; "pooled", one
+    # rate from all depths' counts (the rule until 2026-12-07). Read when the loop is traced: what-ifs of
+    # benchmarks/simulate_schedule.py (`--depth-rates`)
+    DEPTH_RATES = "per-depth"
+    DEPTH_RULES = ("per-depth", "pooled")
     DECAY = 0.8  # evidence from each earlier drafting round counts this much less
     # Which probes are judged in the shadow (`in_shadow`): "first-and-after-miss", a row's first probe and those after
     # a missed one; "after-miss", only those (the rule until 2026-12-07); "never", every probe verified. Read when the
@@ -171,13 +182,21 @@ class Schedule:
     SHADOW_RULES = ("first-and-after-miss", "after-miss", "never")
     PROBE_UNIT = 0.1  # probes that cost up to this (in plain steps) back off 1, 2, 4, ... MAX_COOLDOWN rounds
 
+    @property
+    def depths(self) -> int:
+        """D: the depths whose acceptance a row estimates, one for each draft the widest verify block holds (a tree's
+        depths); 1 where the schedule does not price widths."""
+        return max(self.widths) - 1 if self.priced else 1
+
     def init(self, batch: int, initial: jax.Array) -> DraftLength:
         zeros = jnp.zeros((batch,), jnp.int32)
         # The prior enters as pseudo-counts that decay like evidence: a row that keeps missing drives its estimate
         # to zero (a fixed prior would keep it above the break-even of cheap verify blocks forever).
         prior = jnp.full((batch,), self.PRIOR_WEIGHT, jnp.float32)
+        first_depth = jnp.zeros((batch, self.depths), jnp.float32).at[:, 0].set(1.0)  # [B, D]
         return DraftLength(num_tokens=jnp.full((batch,), initial, jnp.int32), misses=zeros, cooldown=zeros,
-                           accepted=self.PRIOR_ACCEPTANCE * prior, judged=prior,
+                           accepted=self.PRIOR_ACCEPTANCE * prior[:, None] * first_depth,
+                           judged=prior[:, None] * first_depth,
                            branch_accepted=self.PRIOR_ACCEPTANCE * prior, branch_judged=prior,
                            available=jnp.full((batch,), NO_LIMIT, jnp.int32), verify_next=jnp.zeros((batch,), bool),
                            judged_any=jnp.zeros((batch,), bool))
@@ -257,8 +276,22 @@ class Schedule:
         return self.chain_costs if self.branches else self.verify_costs
 
     def acceptance(self, state: DraftLength) -> jax.Array:
-        """[B] each row's estimated probability that a draft (a tree's chain token) is accepted."""
-        return state.accepted / state.judged
+        """[B, D] each row's estimated probability that its draft at each depth (a tree's chain token) is accepted,
+        given that the drafts before it were.
+
+        Drafters are not geometric: a block drafter's later drafts, predicted without their predecessors, land less
+        often than its first (the shipped DFlash drafter, held out: 0.34, then 0.20, 0.21, 0.14), an EAGLE-3 head's
+        and copied drafts more often (0.41, then 0.47, 0.62). One rate pooled over depths is mostly the first draft's,
+        so it overrates a block drafter's deep drafts and underrates the others'. Each depth's own counts decide
+        where it has evidence; where it has little, the depth above it does (`DEPTH_PRIOR_WEIGHT`)."""
+        if self.DEPTH_RATES == "pooled":
+            rate = jnp.sum(state.accepted, axis=1) / jnp.sum(state.judged, axis=1)  # [B]
+            return jnp.broadcast_to(rate[:, None], state.accepted.shape)
+        rates = [state.accepted[:, 0] / state.judged[:, 0]]
+        for depth in range(1, state.accepted.shape[1]):
+            rates.append((state.accepted[:, depth] + self.DEPTH_PRIOR_WEIGHT * rates[-1])
+                         / (state.judged[:, depth] + self.DEPTH_PRIOR_WEIGHT))
+        return jnp.stack(rates, axis=1)
 
     def branch_acceptance(self, state: DraftLength) -> jax.Array:
         """[B] a tree schedule's estimated probability that a depth of a tree accepts its chain token or an
@@ -340,15 +373,18 @@ class Schedule:
     def choice(self, state: DraftLength, active: jax.Array) -> tuple[jax.Array, jax.Array]:
         """([] depth, [] branching): the round with the most expected tokens per cost over the `active` rows.
 
-        A chain of d drafts with acceptance a commits (1 - a^(d+1)) / (1 - a) tokens on average. A tree keeps its
+        With a_i the acceptance at depth i (`acceptance`), the chain reaches depth i with probability
+        r_i = a_1 ... a_i, so a chain of d drafts commits 1 + r_1 + ... + r_d tokens on average. A tree keeps its
         chain and F - 1 alternatives at each depth, the alternatives being leaves: its walk reaches depth i + 1 only
-        along the chain (a^i), and there accepts some candidate with the branch acceptance b, so it commits
-        1 + b (1 - a^d) / (1 - a). Each is priced at its own verify block."""
+        along the chain (r_i), and there accepts some candidate with the branch acceptance b, so it commits
+        1 + b (1 + r_1 + ... + r_(d-1)). Each is priced at its own verify block."""
         # [B, N] the drafts (depths) each width holds for each row: no more than the row has to propose
-        drafts = jnp.minimum(jnp.asarray(self.widths) - 1, state.available[:, None]).astype(jnp.float32)
-        rate = jnp.clip(self.acceptance(state), 0.0, 0.999)[:, None]  # [B, 1]
-        along_chain = (1 - rate ** drafts) / (1 - rate)  # [B, N] expected depths reached past the first
-        chain = 1 + rate * along_chain  # [B, N] tokens a round commits to each row
+        drafts = jnp.minimum(jnp.asarray(self.widths) - 1, state.available[:, None])
+        reach = jnp.cumprod(jnp.clip(self.acceptance(state), 0.0, 1.0), axis=1)  # [B, D] r_1 .. r_D
+        reached = jnp.pad(jnp.cumsum(reach, axis=1), ((0, 0), (1, 0)))  # [B, D + 1] r_1 + ... + r_d for d = 0 .. D
+        chain = 1 + jnp.take_along_axis(reached, drafts, axis=1)  # [B, N] tokens a round commits to each row
+        # [B, N] expected depths reached past the first: 1 + r_1 + ... + r_(d-1), none without drafts
+        along_chain = jnp.where(drafts > 0, 1 + jnp.take_along_axis(reached, jnp.maximum(drafts - 1, 0), axis=1), 0)
         value = jnp.sum(jnp.where(active[:, None], chain, 0.0), axis=0) / self.round_costs()  # [N] over the batch
         if not self.branches:
             return jnp.asarray(self.widths)[jnp.argmax(value)] - 1, jnp.asarray(self.entries_per_draft, jnp.int32)
@@ -395,7 +431,13 @@ class Schedule:
         # A tree's chain tokens judge the chain's acceptance: those accepted along the chain, then the one rejected.
         on_chain = result.accepted if result.on_chain is None else result.on_chain
         judged = on_chain + (on_chain < result.drafted)  # the accepted ones, then the rejected one
-        accepted = jnp.where(tried, self.DECAY * state.accepted + on_chain, state.accepted)
+        column = jnp.arange(state.accepted.shape[1])[None, :]  # [1, D]: depth d + 1's column
+        # [B, D] the depths this round judged. Only their evidence ages: a depth that rounds of fewer drafts leave
+        # alone keeps what it last learned (simulated, this paid as well as ageing every depth each drafting round,
+        # which the pooled rate keeps, as before)
+        judged_depths = tried[:, None] & (column < judged[:, None])
+        learned = tried[:, None] if self.DEPTH_RATES == "pooled" else judged_depths
+        accepted = jnp.where(learned, self.DECAY * state.accepted + (column < on_chain[:, None]), state.accepted)
         # The round's choice, made from this same state for the same rows: a round that drafted only because nothing
         # paid was a probe, for every row that drafted in it, so that the rows' cooldowns stay in step.
         deciding = result.rows_deciding()
@@ -408,7 +450,7 @@ class Schedule:
         branch_accepted = jnp.where(branched, self.DECAY * state.branch_accepted + result.accepted,
                                     state.branch_accepted)
         branch_judged = jnp.where(branched, self.DECAY * state.branch_judged + judged, state.branch_judged)
-        judged = jnp.where(tried, self.DECAY * state.judged + judged, state.judged)
+        judged = jnp.where(learned, self.DECAY * state.judged + judged_depths, state.judged)
         # A probe is judged by what the batch (its deciding rows) got from it, as any round is: a row's hit in a probe
         # whose tokens did not pay for the batch's round still counts as a miss, so the rows back off together. Were a
         # hit to make its row due again at once, a batch of rows that each hit now and then would probe nearly every

@@ -190,6 +190,11 @@ def run_schedule(schedule, copies, cap=7):
 CPU_COSTS = dict(widths=(1, 2, 4, 8), verify_costs=(1.0, 1.2, 1.3, 1.5))  # default_verify_costs on a CPU
 
 
+def first_depth(counts, depths=7):
+    """[B, D] schedule counts (`DraftLength.accepted`, `judged`) with `counts` at the first depth and none deeper."""
+    return np.pad(np.asarray(counts, np.float32)[:, None], ((0, 0), (0, depths - 1)))
+
+
 def test_cpu_verify_costs_are_the_defaults():
     assert default_verify_costs(CPU_COSTS["widths"]) == pytest.approx(CPU_COSTS["verify_costs"])
 
@@ -218,6 +223,42 @@ def test_adaptive_schedule_drafts_what_pays():
     assert (idle_free > 0).sum() * 0.2 / len(idle_free) < 0.02
 
 
+def test_each_draft_depth_is_priced_at_its_own_acceptance(monkeypatch):
+    """A block drafter whose first draft always lands and whose second never does: one rate pooled over depths (0.5)
+    keeps buying a block of 4, where each depth's own rate learns to buy the block of 2 that holds every token it
+    commits. A drafter whose first draft lands every other round, and whose later drafts then always follow it (rates
+    that rise with depth, as an EAGLE-3 head's): its depths past the first are estimated above the first. The prices:
+    an accelerator's, where a block of 4 costs 1.19 plain steps and a drafting round 0.15."""
+    schedule = Schedule("adaptive", draft_cost=0.01, round_cost=0.15, widths=(1, 2, 4, 8),
+                        verify_costs=(1.0, 1.06, 1.19, 1.45))
+
+    def rounds(rule, accepted_of, count=16):  # accepted_of(drafts, round) -> leading drafts accepted
+        monkeypatch.setattr(Schedule, "DEPTH_RATES", rule)
+        state, chosen = schedule.init(1, np.int32(1)), []
+        for step in range(count):
+            drafted = int(schedule.allowed(state)[0])
+            accepted = accepted_of(drafted, step)
+            chosen.append(drafted)
+            state = schedule.update(state, RoundResult(drafted=np.array([drafted]), accepted=np.array([accepted]),
+                                                       committed=np.array([accepted + 1]), tokens=None, hidden=None,
+                                                       lengths=None), cap=7)
+        return chosen, np.asarray(schedule.acceptance(state))[0]
+
+    def first_only(drafted, step):
+        return min(drafted, 1)
+
+    chosen, rates = rounds("per-depth", first_only)
+    assert chosen[-6:] == [1] * 6 and rates[0] > 0.95 and rates[1] < 0.3
+    chosen, rates = rounds("pooled", first_only)
+    assert chosen[-6:] == [3] * 6 and np.allclose(rates, 0.5, atol=0.02)
+
+    def every_other_round(drafted, step):
+        return drafted if step % 2 else 0
+
+    chosen, rates = rounds("per-depth", every_other_round)
+    assert chosen[-4:] == [7] * 4 and rates[0] < 0.7 and (rates[1:] > 0.85).all()
+
+
 def test_a_doubted_first_draft_counts_as_a_rejected_one():
     """Under the adaptive schedule a drafter proposes nothing when it doubts its first token, yet it ran: that round
     counts as one rejected draft, for idle rows' probe (a missed probe: cooldown, for every row of the batch, which
@@ -231,21 +272,21 @@ def test_a_doubted_first_draft_counts_as_a_rejected_one():
     nothing = RoundResult(drafted=np.array([0, 0]), accepted=np.array([0, 0]), committed=np.array([1, 1]),
                           tokens=None, hidden=None, lengths=None)
     # Idle rows: row 0 due to probe, row 1 cooling down. The batch probes, both rows with one draft.
-    idle = dataclasses.replace(drafter.schedule.init(2, np.int32(1)), accepted=np.array([0.0, 0.0], np.float32),
-                               judged=np.array([5.0, 5.0], np.float32), cooldown=np.array([0, 3], np.int32),
+    idle = dataclasses.replace(drafter.schedule.init(2, np.int32(1)), accepted=first_depth([0.0, 0.0]),
+                               judged=first_depth([5.0, 5.0]), cooldown=np.array([0, 3], np.int32),
                                judged_any=np.ones(2, bool))
     assert bool(drafter.schedule.probing(idle)) and drafter.schedule.allowed(idle).tolist() == [1, 1]
     after = drafter.update_length(idle, nothing)
     assert after.misses.tolist() == [1, 1] and after.cooldown.tolist()[0] == after.cooldown.tolist()[1] > 0
     # Rows whose drafting pays: each judged one more draft and accepted none, 0.8 * 5 / (0.8 * 5 + 1).
-    paying = dataclasses.replace(idle, accepted=np.array([5.0, 5.0], np.float32))
+    paying = dataclasses.replace(idle, accepted=first_depth([5.0, 5.0]))
     assert drafter.schedule.allowed(paying).tolist() == [7, 7] and not bool(drafter.schedule.probing(paying))
     after = drafter.update_length(paying, nothing)
-    assert np.allclose(drafter.schedule.acceptance(after), 0.8) and after.misses.tolist() == [0, 0]
+    assert np.allclose(drafter.schedule.acceptance(after)[:, 0], 0.8) and after.misses.tolist() == [0, 0]
     # A finished row (nothing committed) is left alone.
     finished = dataclasses.replace(nothing, committed=np.array([1, 0]))
     after = drafter.update_length(idle, finished)
-    assert after.misses.tolist() == [1, 0] and after.cooldown.tolist()[1] == 3 and np.allclose(after.judged[1], 5.0)
+    assert after.misses.tolist() == [1, 0] and after.cooldown.tolist()[1] == 3 and np.allclose(after.judged[1, 0], 5.0)
     hf = dataclasses.replace(drafter, schedule=Schedule("constant", initial=3))
     assert drafter.drops_doubted_first and not hf.drops_doubted_first
 
@@ -260,8 +301,8 @@ def test_a_batch_backs_off_together_when_its_probe_does_not_pay():
     schedule = Schedule("adaptive", draft_cost=0.3, **CPU_COSTS)  # a probe: 1.2 + 0.3 plain steps a row
 
     def probe(rows: int, hits: list[int], available=None):
-        idle = dataclasses.replace(schedule.init(rows, np.int32(1)), accepted=np.zeros(rows, np.float32),
-                                   judged=np.full(rows, 5.0, np.float32), judged_any=np.ones(rows, bool))
+        idle = dataclasses.replace(schedule.init(rows, np.int32(1)), accepted=first_depth(np.zeros(rows)),
+                                   judged=first_depth(np.full(rows, 5.0)), judged_any=np.ones(rows, bool))
         if available is not None:
             idle = Schedule.with_available(idle, np.array(available))
         assert bool(schedule.probing(idle)) and schedule.allowed(idle).tolist() == [1] * rows
@@ -272,7 +313,7 @@ def test_a_batch_backs_off_together_when_its_probe_does_not_pay():
 
     unpaid = probe(8, [1, 1, 0, 0, 0, 0, 0, 0])  # 10 tokens for 8 x 1.5 plain steps
     assert unpaid.misses.tolist() == [1] * 8 and len(set(unpaid.cooldown.tolist())) == 1 and unpaid.cooldown[0] > 0
-    assert np.allclose(schedule.acceptance(unpaid)[:2], 1 / 5)  # the hits still count as evidence
+    assert np.allclose(schedule.acceptance(unpaid)[:2, 0], 1 / 5)  # the hits still count as evidence
     paid = probe(8, [1, 1, 1, 1, 1, 1, 1, 0])  # 15 tokens for 12 plain steps
     assert paid.misses.tolist() == [0] * 7 + [1] and paid.cooldown.tolist()[:7] == [0] * 7 and paid.cooldown[7] > 0
     alone = probe(1, [1])  # 2 tokens for 1.5 plain steps
@@ -280,7 +321,7 @@ def test_a_batch_backs_off_together_when_its_probe_does_not_pay():
     # Rows 4-7 had nothing to copy: they neither drafted nor were judged, yet they wait with the rows that missed.
     partial = probe(8, [0] * 8, available=[3] * 4 + [0] * 4)
     assert partial.misses.tolist() == [1] * 8 and len(set(partial.cooldown.tolist())) == 1 and partial.cooldown[0] > 0
-    assert np.allclose(partial.judged[4:], 5.0)
+    assert np.allclose(partial.judged[4:], first_depth(np.full(4, 5.0)))
 
 
 def test_a_first_probe_and_one_after_a_miss_are_judged_in_the_shadow(monkeypatch):
@@ -293,8 +334,8 @@ def test_a_first_probe_and_one_after_a_miss_are_judged_in_the_shadow(monkeypatch
     schedule = Schedule("adaptive", draft_cost=0.3, **CPU_COSTS)
 
     def idle(rows: int, misses: list[int]):  # rows whose drafts were judged, none accepted
-        return dataclasses.replace(schedule.init(rows, np.int32(1)), accepted=np.zeros(rows, np.float32),
-                                   judged=np.full(rows, 5.0, np.float32), misses=np.array(misses, np.int32),
+        return dataclasses.replace(schedule.init(rows, np.int32(1)), accepted=first_depth(np.zeros(rows)),
+                                   judged=first_depth(np.full(rows, 5.0)), misses=np.array(misses, np.int32),
                                    judged_any=np.ones(rows, bool))
 
     def shadow(hits: list[bool]):  # the round as the loop hands it over: drafted, first draft rejected, 1 committed
@@ -309,7 +350,7 @@ def test_a_first_probe_and_one_after_a_miss_are_judged_in_the_shadow(monkeypatch
 
     # A fresh row whose prior does not pay: its first probe is in the shadow. A hit brings a verified probe at once;
     # a miss backs off as a verified miss does.
-    fresh = dataclasses.replace(schedule.init(1, np.int32(1)), accepted=np.full(1, 0.2, np.float32))
+    fresh = dataclasses.replace(schedule.init(1, np.int32(1)), accepted=first_depth(np.full(1, 0.2)))
     assert int(schedule.paying_length(fresh)) == 0 and bool(schedule.probing(fresh))
     assert bool(schedule.in_shadow(fresh)) and schedule.allowed(fresh).tolist() == [1]
     fresh_hit, fresh_miss = (schedule.update(fresh, shadow([hit]), cap=7) for hit in (True, False))
@@ -329,12 +370,12 @@ def test_a_first_probe_and_one_after_a_miss_are_judged_in_the_shadow(monkeypatch
     hit, miss = schedule.update(after_miss, shadow([True]), cap=7), schedule.update(after_miss, shadow([False]), cap=7)
     assert hit.misses.tolist() == [1] and hit.cooldown.tolist() == [0] and hit.verify_next.tolist() == [True]
     assert bool(schedule.probing(hit)) and not bool(schedule.in_shadow(hit))  # due at once, verified
-    assert np.allclose(hit.judged, 0.8 * 5 + 1) and np.allclose(hit.accepted, 1)  # one draft judged, and accepted
+    assert np.allclose(hit.judged[:, 0], 0.8 * 5 + 1) and np.allclose(hit.accepted[:, 0], 1)  # judged, accepted
     missed_twice = verified_miss(hit)
     assert missed_twice.misses.tolist() == [2] and not missed_twice.verify_next[0]
     assert missed_twice.cooldown[0] > missed_once.cooldown[0]
     assert miss.misses.tolist() == [2] and miss.cooldown[0] > missed_once.cooldown[0]
-    assert np.allclose(miss.judged, 0.8 * 5 + 1) and np.allclose(miss.accepted, 0)
+    assert np.allclose(miss.judged[:, 0], 0.8 * 5 + 1) and np.allclose(miss.accepted, 0)
     assert not bool(schedule.in_shadow(idle(2, [1, 0])))  # a row that has not missed: verified
     batch = schedule.update(idle(3, [1, 1, 1]), shadow([False, True, False]), cap=7)
     assert batch.verify_next.tolist() == [False, True, False] and batch.misses.tolist() == [2, 1, 2]
@@ -425,11 +466,11 @@ def test_a_drafter_that_could_never_pay_never_probes():
     the same rows probe."""
     widths, verify = (1, 2, 4, 5), (1.0, 1.974, 3.763, 3.763)
     hopeless = Schedule("adaptive", draft_cost=0.549, round_cost=2.071, widths=widths, verify_costs=verify)
-    idle = dataclasses.replace(hopeless.init(4, np.int32(1)), accepted=np.zeros(4, np.float32),
-                               judged=np.full(4, 5.0, np.float32), judged_any=np.ones(4, bool))  # due, could it pay
+    idle = dataclasses.replace(hopeless.init(4, np.int32(1)), accepted=first_depth(np.zeros(4), 4),
+                               judged=first_depth(np.full(4, 5.0), 4), judged_any=np.ones(4, bool))  # due, could it pay
     assert not bool(hopeless.drafting_can_pay())
     assert hopeless.allowed(idle).tolist() == [0] * 4 and not bool(hopeless.probing(idle))
-    certain = dataclasses.replace(idle, accepted=np.full(4, 5.0, np.float32))  # even rows that accept everything
+    certain = dataclasses.replace(idle, accepted=first_depth(np.full(4, 5.0), 4))  # even rows that accept everything
     assert hopeless.allowed(certain).tolist() == [0] * 4
     cheaper = dataclasses.replace(hopeless, round_cost=0.5)  # 5 tokens for 3.763 + 4 x 0.549 + 0.5 = 6.46: no
     assert not bool(cheaper.drafting_can_pay())
@@ -462,15 +503,15 @@ def test_rows_with_nothing_to_copy_neither_buy_a_block_nor_probe():
     gains nothing from a wide block, so one copying row of eight does not buy [8, W] for the batch, and a batch with
     no match anywhere does not probe."""
     schedule = Schedule("adaptive", draft_cost=0.0, widths=(1, 2, 4, 8), verify_costs=(1.0, 1.3, 1.6, 2.0))
-    copying = dataclasses.replace(schedule.init(8, np.int32(1)), accepted=np.full(8, 4.0, np.float32),
-                                  judged=np.full(8, 5.0, np.float32), cooldown=np.full(8, 3, np.int32))  # a = 0.8
+    copying = dataclasses.replace(schedule.init(8, np.int32(1)), accepted=first_depth(np.full(8, 4.0)),
+                                  judged=first_depth(np.full(8, 5.0)), cooldown=np.full(8, 3, np.int32))  # a = 0.8
     assert schedule.allowed(copying).tolist() == [7] * 8  # every row may copy: a wide block pays
     one_match = Schedule.with_available(copying, np.array([7, 0, 0, 0, 0, 0, 0, 0]))
     assert schedule.allowed(one_match).tolist() == [0] * 8  # 1 row's gain does not pay 8 rows' block
     # Matches of 2: width 4 (3 drafts), the narrowest that holds them; a wider block would hold nothing more.
     assert schedule.allowed(Schedule.with_available(copying, np.full(8, 2))).tolist() == [3] * 8
-    idle = dataclasses.replace(schedule.init(2, np.int32(1)), accepted=np.zeros(2, np.float32),
-                               judged=np.full(2, 5.0, np.float32), judged_any=np.ones(2, bool))  # due to probe
+    idle = dataclasses.replace(schedule.init(2, np.int32(1)), accepted=first_depth(np.zeros(2)),
+                               judged=first_depth(np.full(2, 5.0)), judged_any=np.ones(2, bool))  # due to probe
     assert bool(schedule.probing(idle)) and schedule.allowed(idle).tolist() == [1, 1]
     nothing_to_copy = Schedule.with_available(idle, np.zeros(2, np.int32))
     assert not bool(schedule.probing(nothing_to_copy)) and schedule.allowed(nothing_to_copy).tolist() == [0, 0]
@@ -482,12 +523,12 @@ def test_a_batch_decides_its_width_together():
     for its width; once most rows copy, it does, and every row then drafts that length."""
     schedule = Schedule("adaptive", draft_cost=0.3, **CPU_COSTS)
     state = schedule.init(8, np.int32(1))
-    one_hot = dataclasses.replace(state, accepted=np.array([5.0] + [0.0] * 7, np.float32),
-                                  judged=np.full(8, 5.0, np.float32), cooldown=np.full(8, 4, np.int32))
+    one_hot = dataclasses.replace(state, accepted=first_depth(np.array([5.0] + [0.0] * 7)),
+                                  judged=first_depth(np.full(8, 5.0)), cooldown=np.full(8, 4, np.int32))
     assert schedule.allowed(one_hot).tolist() == [0] * 8  # alone, row 0 would draft 7
     row_0 = jax.tree.map(lambda x: x[:1], one_hot)
     assert schedule.allowed(row_0).tolist() == [7]
-    most = dataclasses.replace(one_hot, accepted=np.array([5.0] * 6 + [0.0] * 2, np.float32))
+    most = dataclasses.replace(one_hot, accepted=first_depth(np.array([5.0] * 6 + [0.0] * 2)))
     assert schedule.allowed(most).tolist() == [7] * 8
     # Finished rows do not count: with only row 0 running, it drafts what pays for it alone.
     assert schedule.allowed(one_hot, active=np.array([True] + [False] * 7)).tolist() == [7] * 8
@@ -505,8 +546,8 @@ def test_a_batch_drafts_for_its_rows_furthest_from_done():
     assert deciding_rows(loop_state).tolist() == [True, False, False, True]  # ties decide together
 
     schedule = Schedule("adaptive", draft_cost=0.3, **CPU_COSTS)
-    state = dataclasses.replace(schedule.init(2, np.int32(1)), accepted=np.array([0.0, 5.0], np.float32),
-                                judged=np.full(2, 5.0, np.float32))  # row 0 (behind) accepts nothing, row 1 all
+    state = dataclasses.replace(schedule.init(2, np.int32(1)), accepted=first_depth(np.array([0.0, 5.0])),
+                                judged=first_depth(np.full(2, 5.0)))  # row 0 (behind) accepts nothing, row 1 all
     assert schedule.allowed(state).tolist() == [7, 7]  # both rows weighed: row 1's drafts pay for the block
     behind = np.array([True, False])
     assert schedule.allowed(state, behind).tolist() == [1, 1] and bool(schedule.probing(state, behind))

@@ -124,7 +124,8 @@ def test_the_schedule_branches_where_alternatives_pay_and_learns_from_tree_round
     as chain blocks (an accelerator) the schedule drafts the tree; where each entry costs half a step, the chain. A
     tree round teaches the branch acceptance; the chain's comes from the chain tokens alone (`on_chain`)."""
     schedule = make_schedule("adaptive", 4, 4, draft_cost=0.0, entries_per_draft=3)
-    state = dataclasses.replace(schedule.init(1, jnp.int32(4)), accepted=jnp.array([3.0]), judged=jnp.array([10.0]),
+    first_depth = jnp.zeros((1, schedule.depths)).at[:, 0].set  # [1, D] counts at the first depth, none deeper
+    state = dataclasses.replace(schedule.init(1, jnp.int32(4)), accepted=first_depth(3.0), judged=first_depth(10.0),
                                 branch_accepted=jnp.array([9.0]), branch_judged=jnp.array([10.0]))
     active = jnp.array([True])
 
@@ -145,8 +146,8 @@ def test_the_schedule_branches_where_alternatives_pay_and_learns_from_tree_round
                          on_chain=jnp.array([0]))
     after = cheap.update(state, result, 4)
     decay = cheap.DECAY
-    np.testing.assert_allclose(after.accepted, decay * 3.0)  # no chain token accepted
-    np.testing.assert_allclose(after.judged, decay * 10.0 + 1)  # one judged: the rejected one
+    np.testing.assert_allclose(after.accepted, decay * first_depth(3.0))  # no chain token accepted
+    np.testing.assert_allclose(after.judged, decay * first_depth(10.0) + first_depth(1.0))  # one judged: the rejected
     np.testing.assert_allclose(after.branch_accepted, decay * 9.0 + 1)
     np.testing.assert_allclose(after.branch_judged, decay * 10.0 + 1)
     untaught = dear.update(state, result, 4)  # the dear schedule drafted a chain: the branch estimate stays
