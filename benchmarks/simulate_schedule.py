@@ -3,16 +3,16 @@
     python benchmarks/simulate_schedule.py [--tokens 32] [--seeds 12] [--only "CPU MTP"] [--probe-unit 0.05]
                                            [--shadow-probes after-miss] [--depth-rates pooled]
 
-Each scenario is a batch of rows that accept each draft with a fixed probability (or, for text that repeats in
-bursts, a probability that follows the row's position: so many tokens at one rate, then so many at another, over and
-over; or, for drafters whose later drafts land more or less often than their first, a probability for each depth,
-given the drafts before it were accepted: `ByDepth`), and the prices of a loop at that batch (each verify width and one draft, in plain steps: what
-jaxspec/costs.py measures). Every round asks the schedule how many drafts the batch proposes (for its rows furthest
-from done, as the loop's `deciding_rows` does), draws each row's accepted drafts, and updates the schedule with the
-round, as the compiled loop does, until every row has its tokens; the batch then ends with its slowest row, as a
+Each scenario is a batch of rows that accept each draft with a fixed probability (or, for text that repeats in bursts, a
+probability that follows the row's position: so many tokens at one rate, then so many at another, over and over; or, for
+drafters whose later drafts land more or less often than their first, a probability for each depth, given the drafts
+before it were accepted: `ByDepth`), and the prices of a loop at that batch (each verify width and one draft, in plain
+steps: what jaxspec/costs.py measures). Every round asks the schedule how many drafts the batch proposes (for its rows
+furthest from done, as the loop's `deciding_rows` does), draws each row's accepted drafts, and updates the schedule with
+the round, as the compiled loop does, until every row has its tokens; the batch then ends with its slowest row, as a
 static batch does. The table shows rounds, rounds that drafted and how many of them were probes, and the speedup the
-prices give over plain decoding (one plain step per token). On a CPU whose speed moves by 0.3 between passes, this
-is how a change to the schedule's rule shows what it does to its decisions (docs/design.md, 'Batches').
+prices give over plain decoding (one plain step per token). On a CPU whose speed moves by 0.3 between passes, this is
+how a change to the schedule's rule shows what it does to its decisions (docs/design.md, 'Batches').
 """
 
 from __future__ import annotations

@@ -118,21 +118,21 @@ class Schedule:
     """How a row's draft length follows what verification accepted.
 
     - "adaptive" (jaxspec's default for every drafter): each row keeps a decayed estimate of the probability that its
-      draft at each depth is accepted (`acceptance`: its `accepted` / `judged` counts, with a prior). A round's verify block is one forward for the
-      whole batch, as wide as its longest draft, so the batch decides together: each round it drafts the length with the
-      most expected tokens per cost summed over its deciding rows, the running rows furthest from done
-      (`strategies.base.deciding_rows`: a batch ends with its last row, so drafts for rows ahead buy nothing). A block
-      of d drafts commits 1 + a_1 + a_1 a_2 + ... + a_1 ... a_d tokens on average to a row, and costs `verify_costs`
-      of its width (measured at the batch it runs: a [8, 4] block does not cost what a [1, 4] block costs) plus
-      `draft_cost` per draft (drafting-model steps, in target steps). Every row then drafts that length (a width already
-      paid verifies a row's extra drafts for nothing). When no length beats a plain step, the batch does not draft,
-      except for a probe whenever a row's cooldown is over (`probe_length`: one draft where a block of 2 could pay;
-      only where some length could pay at all: `drafting_can_pay`); the cooldown follows 1, 2, 4, ... up to
+      draft at each depth is accepted (`acceptance`: its `accepted` / `judged` counts, with a prior). A round's verify
+      block is one forward for the whole batch, as wide as its longest draft, so the batch decides together: each round
+      it drafts the length with the most expected tokens per cost summed over its deciding rows, the running rows
+      furthest from done (`strategies.base.deciding_rows`: a batch ends with its last row, so drafts for rows ahead buy
+      nothing). A block of d drafts commits 1 + a_1 + a_1 a_2 + ... + a_1 ... a_d tokens on average to a row, and costs
+      `verify_costs` of its width (measured at the batch it runs: a [8, 4] block does not cost what a [1, 4] block
+      costs) plus `draft_cost` per draft (drafting-model steps, in target steps). Every row then drafts that length (a
+      width already paid verifies a row's extra drafts for nothing). When no length beats a plain step, the batch does
+      not draft, except for a probe whenever a row's cooldown is over (`probe_length`: one draft where a block of 2
+      could pay; only where some length could pay at all: `drafting_can_pay`); the cooldown follows 1, 2, 4, ... up to
       MAX_COOLDOWN rounds (doubling while probes miss; a row's hit counts only where the probe's tokens paid for the
       batch's round; `probe_spacing` times longer for drafters whose probe costs more), so that text which starts to
-      repeat is noticed. Rows probe together, so their cooldowns stay in step and a batch probes no more often than
-      one row would. On text the drafter cannot predict, drafting therefore costs one cheap probe every ~33 rounds; on
-      text it predicts, the batch drafts the length that pays best.
+      repeat is noticed. Rows probe together, so their cooldowns stay in step and a batch probes no more often than one
+      row would. On text the drafter cannot predict, drafting therefore costs one cheap probe every ~33 rounds; on text
+      it predicts, the batch drafts the length that pays best.
     - "constant": always K (HF's default for assistants, and what HF's prompt lookup does).
     - "heuristic" / "heuristic_transient": HF's rule, +2 after a round in which every draft was accepted (a round
       without drafts counts, as in HF), else -1, never below 1, capped by K.
