@@ -8,11 +8,11 @@ calls taking turns.
 Per strategy, one `generate` call (the chat prompt below in each of `--batch` rows, 16 new tokens) with a fresh
 step-cost file, so that it prices its schedule at that batch; that pricing runs once untimed (it warms what the first
 pricing in a process pays), then `--trials` times per setting, the settings taking turns. A setting `RxC` times each
-configuration in C calls of R rounds (`costs.LOOP_ROUNDS`, `costs.LOOP_RUNS`). Printed: each price in plain steps (the
-loop's round at width 1), mean and standard deviation over the trials, and the seconds one pricing took. `dflash` and
-`eagle3` draft with the drafters jaxspec ships for the model (`jaxspec.catalog.shipped_drafter`), `mtp` with its
-attached MTP layers.
-"""
+configuration in C calls of R rounds (`costs.LOOP_ROUNDS`, `costs.LOOP_RUNS`); `RxM-C`, in M to C calls, stopping after
+M where every configuration's calls agree (`costs.LOOP_MIN_RUNS`, `LOOP_AGREEMENT`). Printed: each price in plain steps
+(the loop's round at width 1), mean and standard deviation over the trials, and the seconds one pricing took. `dflash`
+and `eagle3` draft with the drafters jaxspec ships for the model (`jaxspec.catalog.shipped_drafter`), `mtp` with its
+attached MTP layers. """
 
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--strategies", default="prompt_lookup,dflash,eagle3")
-    p.add_argument("--settings", default="8x2,4x3", help="RxC: C timed calls of R rounds per configuration")
+    p.add_argument("--settings", default="4x3,4x2-3",
+                   help="RxC: C timed calls of R rounds per configuration; RxM-C: M to C calls, stopping after M where "
+                        "the calls agree")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--batch", type=int, default=1, help="rows in the priced call (prices are per batch size bucket)")
     add_results_argument(p)
@@ -60,19 +62,29 @@ def main(argv=None) -> None:
         print("|---|" + "---:|" * (len(prices) + 1))
         for setting in settings:
             cells = [_mean_sd([trial[name] for trial in trials[setting]]) for name in prices + ["seconds"]]
-            print(f"| {setting[0]} x {setting[1]} | " + " | ".join(cells) + " |")
-            rows += [{"strategy": strategy, "rounds": setting[0], "calls": setting[1], "trial": i, **trial}
+            print(f"| {_label(setting)} | " + " | ".join(cells) + " |")
+            rows += [{"strategy": strategy, "rounds": setting[0], "calls": setting[2], "min_calls": setting[1],
+                      "trial": i, **trial}
                      for i, trial in enumerate(trials[setting])]
     record.write(rows, [args.model], title=title,
                  settings={"strategies": args.strategies, "settings": args.settings, "trials": args.trials,
                            "batch": args.batch})
 
 
-def _setting(text: str) -> tuple[int, int]:
+def _setting(text: str) -> tuple[int, int, int]:
+    """'RxC' -> (R, C, C); 'RxM-C' -> (R, M, C): rounds a call, the fewest and the most calls."""
     rounds, _, calls = text.partition("x")
-    if not (rounds.isdigit() and calls.isdigit() and int(rounds) > 0 and int(calls) > 0):
-        raise SystemExit(f"--settings: {text!r} is not ROUNDSxCALLS with two positive integers (e.g. 4x3)")
-    return int(rounds), int(calls)
+    fewest, _, most = calls.partition("-")
+    most = most or fewest
+    if not all(n.isdigit() and int(n) > 0 for n in (rounds, fewest, most)) or int(fewest) > int(most):
+        raise SystemExit(f"--settings: {text!r} is not ROUNDSxCALLS or ROUNDSxFEWEST-MOST with positive integers "
+                         f"(e.g. 4x3 or 4x2-3)")
+    return int(rounds), int(fewest), int(most)
+
+
+def _label(setting: tuple[int, int, int]) -> str:
+    rounds, fewest, most = setting
+    return f"{rounds} x {fewest}" if fewest == most else f"{rounds} x {fewest}-{most}"
 
 
 def _drafting(jaxspec, model: str, strategy: str) -> dict:
@@ -93,7 +105,7 @@ def _drafting(jaxspec, model: str, strategy: str) -> dict:
     return drafting | {"num_assistant_tokens_schedule": "adaptive"}
 
 
-def _trials(target, rows, drafting: dict, settings, trials: int) -> dict[tuple[int, int], list[dict[str, float]]]:
+def _trials(target, rows, drafting: dict, settings, trials: int) -> dict[tuple[int, int, int], list[dict[str, float]]]:
     """{setting: [{price name: plain steps, "seconds": one pricing}, one per trial]} from the loop of one call of
     `rows` (token id lists)."""
     import jaxspec
@@ -105,15 +117,16 @@ def _trials(target, rows, drafting: dict, settings, trials: int) -> dict[tuple[i
     def repeated(call, prefill, rounds, widths, drafts, prefix="", **_):
         measured = time_loop(call, prefill, rounds, widths, drafts, prefix)  # untimed: warms the process
         for _ in range(trials):
-            for rounds_per_call, calls in settings:
+            for setting in settings:
+                rounds_per_call, fewest, most = setting
                 start = time.perf_counter()
                 measured = time_loop(call, prefill, rounds, widths, drafts, prefix, rounds_per_run=rounds_per_call,
-                                     runs=calls)
+                                     runs=most, min_runs=fewest)
                 seconds = time.perf_counter() - start
                 unit = measured[f"{prefix}|verify|1"]
                 prices = {key[len(prefix) + 1:]: ms / unit for key, ms in measured.items()
                           if key != f"{prefix}|verify|1"}
-                timed[rounds_per_call, calls].append(prices | {"seconds": seconds})
+                timed[setting].append(prices | {"seconds": seconds})
         return measured
 
     saved = {name: os.environ.get(name) for name in ("JAXSPEC_CACHE", "JAXSPEC_STEP_COSTS")}

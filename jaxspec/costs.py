@@ -56,6 +56,10 @@ RUNS = 3  # timed runs of a forward (time_forwards); the fastest counts (the oth
 LOOP_ROUNDS = {"cpu": 4}  # rounds per timed call, by backend
 DEFAULT_LOOP_ROUNDS = 8
 LOOP_RUNS = 3
+# ... but a configuration stops after LOOP_MIN_RUNS where its timed calls so far agree within LOOP_AGREEMENT: a third
+# call there moves no price, it only lengthens a first run
+LOOP_MIN_RUNS = 2
+LOOP_AGREEMENT = 0.05
 MAX_COST_BATCH = 64  # larger batches are priced with costs measured at this many rows
 
 
@@ -151,7 +155,8 @@ def _drafts_timed(drafter) -> tuple[int, ...]:
 
 
 def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int, ...], prefix: str = "",
-              rounds_per_run: int | None = None, runs: int = LOOP_RUNS) -> dict[str, float]:
+              rounds_per_run: int | None = None, runs: int = LOOP_RUNS,
+              min_runs: int = LOOP_MIN_RUNS) -> dict[str, float]:
     """Milliseconds a round of the compiled loop itself, on the call's own prompts and batch.
 
     - `{prefix}|verify|{w}`: rounds that draft nothing and verify a block of w (the loop's `verify_floor`);
@@ -163,8 +168,9 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
     the loop for `rounds_per_run` rounds (default: LOOP_ROUNDS for the backend), and for none: what a call costs besides
     its rounds (dispatching its arguments, reading its counters back) is the second call's time, and is not charged to
     the rounds: on a GPU it is milliseconds, enough to inflate a small model's rounds by a third and make every verify
-    width look nearly free beside them (docs/design.md, 'On a GPU'). Of `runs` runs the fastest of each call counts; the
-    configurations take turns.
+    width look nearly free beside them (docs/design.md, 'On a GPU'). Of up to `runs` runs the fastest of each call
+    counts; the configurations take turns, and stop after `min_runs` once every configuration's calls agree within
+    LOOP_AGREEMENT.
 
     The prompts are read once: what a configuration forces is read by the rounds alone (tests/decode/test_costs.py
     checks that the prefilled states are equal), so every call starts from a copy of one prefilled state. Before the
@@ -194,10 +200,14 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
     for config in configs:
         one_call(timed[config], 1)
     timed_runs = {config: (float("inf"), 0, 0.0) for config in configs}
+    slowest = {config: 0.0 for config in configs}  # each configuration's slowest timed call
     call_seconds = float("inf")  # a call that runs no round
-    for _ in range(runs):
+    for run in range(runs):
+        if run >= min_runs and all(slowest[c] <= (1 + LOOP_AGREEMENT) * timed_runs[c][0] for c in configs):
+            break
         for config in configs:
-            timed_runs[config] = min(timed_runs[config], one_call(timed[config], rounds_per_run))
+            this = one_call(timed[config], rounds_per_run)
+            timed_runs[config], slowest[config] = min(timed_runs[config], this), max(slowest[config], this[0])
             call_seconds = min(call_seconds, one_call(timed[config], 0)[0])
 
     def per_round(config) -> tuple[float, float]:

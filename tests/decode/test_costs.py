@@ -89,6 +89,40 @@ def test_a_round_is_timed_without_what_a_call_costs_besides_its_rounds(monkeypat
     assert measured["p|verify|2"] == pytest.approx(10.0, rel=0.2), measured
 
 
+def test_a_third_timed_call_runs_only_where_the_first_two_disagree(monkeypatch):
+    """time_loop times each configuration in LOOP_MIN_RUNS calls, and in up to `runs` only while some configuration's
+    calls differ by more than LOOP_AGREEMENT: a fake loop whose calls take the same time is timed twice a
+    configuration (after one warm round), one whose width-2 calls slow down by a fifth three times, every
+    configuration taking its turn."""
+    import types
+
+    def timed_calls(slowdown: float) -> dict[int, int]:
+        clock, calls = [0.0], {1: 0, 2: 0}
+
+        def rounds(target_state, assistant_state, state, width, max_rounds):
+            ran = int(max_rounds)
+            if ran > 1:
+                calls[width] += 1
+            clock[0] += 0.005 * width * ran * (1 + slowdown * (width == 2 and calls[width] == 2))
+            return types.SimpleNamespace(counters=types.SimpleNamespace(rounds=jnp.asarray(ran),
+                                                                        drafted=jnp.zeros((1,), jnp.int32)))
+
+        monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
+        monkeypatch.setattr(costs, "timing_inputs", lambda inputs, drafts, floor: floor)
+        tokens, prompt_lengths, budget = jnp.zeros((1, 64), jnp.int32), jnp.asarray([8]), jnp.asarray([4])
+        call = types.SimpleNamespace(prefill_args=(None, None, tokens, prompt_lengths, budget, None, None, None),
+                                     spec=types.SimpleNamespace(drafter=types.SimpleNamespace(draft_slots=4)),
+                                     inputs=None, target_state=None, assistant_state=None)
+        measured = costs.time_loop(call, lambda *args: {"cache": jnp.zeros(3)}, rounds, (1, 2), (), prefix="p",
+                                   runs=3, min_runs=2)
+        assert measured == {"p|verify|1": pytest.approx(5.0), "p|verify|2": pytest.approx(10.0)}
+        return calls
+
+    assert costs.LOOP_AGREEMENT < 0.2
+    assert timed_calls(slowdown=0.0) == {1: 2, 2: 2}
+    assert timed_calls(slowdown=0.2) == {1: 3, 2: 3}
+
+
 def test_prices_are_timed_in_the_compiled_loop_once_per_machine(measuring, pair, monkeypatch):
     """The first measuring call times rounds of its own executables (compiling nothing more), stores milliseconds per
     round, and decodes with the prices they give; a later call reads the file; the output equals plain greedy."""
