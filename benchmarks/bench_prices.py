@@ -12,7 +12,8 @@ configuration in C calls of R rounds (`costs.LOOP_ROUNDS`, `costs.LOOP_RUNS`); `
 M where every configuration's calls agree (`costs.LOOP_MIN_RUNS`, `LOOP_AGREEMENT`). Printed: each price in plain steps
 (the loop's round at width 1), mean and standard deviation over the trials, and the seconds one pricing took. `dflash`
 and `eagle3` draft with the drafters jaxspec ships for the model (`jaxspec.catalog.shipped_drafter`), `mtp` with its
-attached MTP layers. """
+attached MTP layers.
+"""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ import sys
 
 import numpy as np
 
+
 @dataclasses.dataclass(frozen=True)
 class ByDepth:
     """A row's acceptance at each draft depth 1, 2, ... (given the drafts before it were accepted); the last one holds
@@ -71,10 +72,9 @@ SCENARIOS = (
     ("CPU DFlash, batch 1 at 0", (0.0,), (1.0, 1.55, 2.3, 3.0), 0.02, 7, 0.49),
     ("CPU EAGLE-3, batch 1 at 0.45", (0.45,), (1.0, 1.55, 2.3, 2.5), 0.06, 4, 0.04),
     # The same drafters with their held-out acceptance at each depth, replayed with 4 drafts a round (each asset's
-    # training.json) and their prices
-    # on 2026-12-07's Intel Xeon host (jaxspec/costs.py's stored prices, in plain steps of 28.4 ms): DFlash's later
-    # drafts land less often than its first, EAGLE-3's more often. Scaled up (`x1.6`): text the drafters predict
-    # better, as bench.py's code prompts.
+    # training.json), and their prices on 2026-12-07's Intel Xeon host (jaxspec/costs.py's stored prices, in plain
+    # steps of 28.4 ms): DFlash's later drafts land less often than its first, EAGLE-3's more often. Scaled up
+    # (`x1.6`, `x2.5`): text the drafters predict better.
     ("CPU DFlash by depth, batch 1, held out", (ByDepth((0.34, 0.20, 0.21, 0.14)),), (1.0, 1.89, 1.92, 2.2), 0.03,
      7, 0.32),
     ("CPU DFlash by depth, batch 1, held out x1.6", (ByDepth((0.54, 0.32, 0.34, 0.22)),), (1.0, 1.89, 1.92, 2.2),

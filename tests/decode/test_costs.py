@@ -64,6 +64,19 @@ def _host(leaf) -> np.ndarray:
     return np.asarray(jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf)
 
 
+def _fake_call(monkeypatch):
+    """(call, prefill) for `costs.time_loop` with a fake rounds function: one row, a 64-token buffer, and each timed
+    configuration's inputs being its verify floor."""
+    import types
+
+    monkeypatch.setattr(costs, "timing_inputs", lambda inputs, drafts, floor: floor)
+    tokens, prompt_lengths, budget = jnp.zeros((1, 64), jnp.int32), jnp.asarray([8]), jnp.asarray([4])
+    call = types.SimpleNamespace(prefill_args=(None, None, tokens, prompt_lengths, budget, None, None, None),
+                                 spec=types.SimpleNamespace(drafter=types.SimpleNamespace(draft_slots=4)),
+                                 inputs=None, target_state=None, assistant_state=None)
+    return call, lambda *args: {"cache": jnp.zeros(3)}
+
+
 def test_a_round_is_timed_without_what_a_call_costs_besides_its_rounds(monkeypatch):
     """time_loop subtracts the time of a call that runs no round from a call of several rounds: a fixed cost per
     call (dispatch, reading the counters back; several ms on a GPU) is not spread over the rounds. A fake loop whose
@@ -79,12 +92,7 @@ def test_a_round_is_timed_without_what_a_call_costs_besides_its_rounds(monkeypat
         return types.SimpleNamespace(counters=types.SimpleNamespace(rounds=jnp.asarray(ran),
                                                                     drafted=jnp.zeros((1,), jnp.int32)))
 
-    monkeypatch.setattr(costs, "timing_inputs", lambda inputs, drafts, floor: floor)
-    tokens, prompt_lengths, budget = jnp.zeros((1, 64), jnp.int32), jnp.asarray([8]), jnp.asarray([4])
-    call = types.SimpleNamespace(prefill_args=(None, None, tokens, prompt_lengths, budget, None, None, None),
-                                 spec=types.SimpleNamespace(drafter=types.SimpleNamespace(draft_slots=4)),
-                                 inputs=None, target_state=None, assistant_state=None)
-    measured = costs.time_loop(call, lambda *args: {"cache": jnp.zeros(3)}, rounds, (1, 2), (), prefix="p", runs=2)
+    measured = costs.time_loop(*_fake_call(monkeypatch), rounds, (1, 2), (), prefix="p", runs=2)
     assert measured["p|verify|1"] == pytest.approx(5.0, rel=0.2), measured
     assert measured["p|verify|2"] == pytest.approx(10.0, rel=0.2), measured
 
@@ -108,13 +116,7 @@ def test_a_third_timed_call_runs_only_where_the_first_two_disagree(monkeypatch):
                                                                         drafted=jnp.zeros((1,), jnp.int32)))
 
         monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
-        monkeypatch.setattr(costs, "timing_inputs", lambda inputs, drafts, floor: floor)
-        tokens, prompt_lengths, budget = jnp.zeros((1, 64), jnp.int32), jnp.asarray([8]), jnp.asarray([4])
-        call = types.SimpleNamespace(prefill_args=(None, None, tokens, prompt_lengths, budget, None, None, None),
-                                     spec=types.SimpleNamespace(drafter=types.SimpleNamespace(draft_slots=4)),
-                                     inputs=None, target_state=None, assistant_state=None)
-        measured = costs.time_loop(call, lambda *args: {"cache": jnp.zeros(3)}, rounds, (1, 2), (), prefix="p",
-                                   runs=3, min_runs=2)
+        measured = costs.time_loop(*_fake_call(monkeypatch), rounds, (1, 2), (), prefix="p", runs=3, min_runs=2)
         assert measured == {"p|verify|1": pytest.approx(5.0), "p|verify|2": pytest.approx(10.0)}
         return calls
 
