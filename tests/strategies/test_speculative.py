@@ -17,8 +17,10 @@ from transformers.generation import logits_process as hf
 
 import jaxspec
 from jaxspec import loop
+from jaxspec import settings as settings_lib
 from jaxspec.schedule import Schedule, default_verify_costs
-from jaxspec.strategies.base import RoundResult, deciding_rows
+from jaxspec.strategies.base import Draft, DraftStep, RoundResult, deciding_rows, room_for_drafts
+from jaxspec.strategies.prompt_lookup import PromptLookupDrafter
 from tests.fixtures import hf_models, oracles
 from tests.fixtures.patching import patched
 from tests.fixtures.prompts import PROMPTS, left_padded
@@ -257,6 +259,51 @@ def test_each_draft_depth_is_priced_at_its_own_acceptance(monkeypatch):
 
     chosen, rates = rounds("per-depth", every_other_round)
     assert chosen[-4:] == [7] * 4 and rates[0] < 0.7 and (rates[1:] > 0.85).all()
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstDraftOnlyDrafter(PromptLookupDrafter):
+    """Knows plain greedy's continuation (`future`, each row's whole sequence): its first draft is the next token,
+    every later one is wrong. Its schedule decides how many it proposes."""
+
+    future: np.ndarray = dataclasses.field(default=None, compare=False)
+
+    def runtime_inputs(self):
+        return super().runtime_inputs() | {"future": self.future}
+
+    def draft(self, ctx, loop, state, rng):
+        k, future = self.max_draft, ctx.draft_inputs["future"]
+        index = jnp.minimum(loop.lengths[:, None] + jnp.arange(k)[None, :], future.shape[1] - 1)
+        right = jnp.take_along_axis(future, index, axis=1)  # [B, K]
+        tokens = jnp.where(jnp.arange(k)[None, :] == 0, right, (right + 1) % ctx.target.cfg.vocab_size)
+        count = jnp.minimum(self.schedule.allowed(state, deciding_rows(loop)), room_for_drafts(loop))
+        return DraftStep(draft=Draft(tokens=tokens.astype(jnp.int32), count=count.astype(jnp.int32)), state=state,
+                         forwards=jnp.zeros((), jnp.int32), target_cache=loop.cache)
+
+
+def test_the_loop_learns_which_depths_land(target, default_verify_widths):
+    """In the compiled loop, with an accelerator's prices (a block of 2 at 1.06 plain steps, of 4 at 1.19), a drafter
+    whose first draft always lands and whose later drafts never do: the prior (0.6 at every depth) buys blocks of 4
+    at first; once the second depth has missed about six times (its estimate leans on the first depth's, near 1, and
+    a block of 4 costs little more than one of 2), rounds verify one draft, each committing two tokens. One rate
+    pooled over depths (0.5) would keep drafting 3 (test_each_draft_depth_is_priced_at_its_own_acceptance). The
+    output is plain greedy's."""
+    prompts = [[5, 6, 7, 8, 9], [3, 4, 5]]
+    plain = jaxspec.generate(target, prompts, max_new_tokens=N, eos_token_id=[])
+    future = np.zeros((len(prompts), 64), np.int32)
+    for row, prompt in enumerate(prompts):
+        sequence = [*prompt, *plain.new_tokens(row).tolist()]
+        future[row, :len(sequence)] = sequence
+    schedule = Schedule("adaptive", widths=(1, 2, 4), verify_costs=(1.0, 1.06, 1.19))
+    drafter = FirstDraftOnlyDrafter(max_draft=3, schedule=schedule, future=future)
+    out = jaxspec.generate_with_drafter(target, prompts, None, drafter,
+                                        settings_lib.resolve(target, max_new_tokens=N, eos_token_id=[]))
+    np.testing.assert_array_equal(out.sequences, plain.sequences)
+    assert (out.accepted_hist[:, 2:].sum(axis=1) == 0).all()  # no round accepted a second draft
+    assert (out.accepted_hist[:, 0] <= 1).all() and out.rounds <= N // 2 + 1  # every round but the last accepted one
+    # Rounds of 3 drafts on the prior, then rounds of 1: under two drafts a round, where pooling drafts 3.
+    assert (out.drafted < 2 * out.rounds).all() and (out.drafter_summary["num_assistant_tokens"] == 1).all(), (
+        out.drafted, out.rounds)
 
 
 def test_a_doubted_first_draft_counts_as_a_rejected_one():
