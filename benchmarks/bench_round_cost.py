@@ -226,11 +226,11 @@ def _variant_costs_folder() -> tempfile.TemporaryDirectory:
 
 @contextlib.contextmanager
 def feature_writes_skipped(compiled: dict):
-    """Calls inside run DFlash's and EAGLE-3's loops with `defer_committed` doing nothing (no committed slot enters
-    the pending ring, none is projected). A compiled loop's key
-    cannot see the patch, so the variant's loops live in `compiled` between its calls and the loops that write are
-    set aside meanwhile. Its prices (timed where the call is priced, which is where the rounds are forced) go to a
-    file of their own, so that the step-cost cache keeps only the real loops'."""
+    """Calls inside run DFlash's and EAGLE-3's loops with `defer_committed` doing nothing (no committed slot enters the
+    pending ring, none is projected). A compiled loop's key cannot see the patch, so the variant's loops live in
+    `compiled` between its calls and the loops that write are set aside meanwhile. Its prices (timed where the call is
+    priced, which is where the rounds are forced) go to a file of their own, so that the step-cost cache keeps only the
+    real loops'."""
     from jaxspec import costs, loop
     from jaxspec.strategies import dflash, eagle3
 
