@@ -9,7 +9,9 @@ differ in the context projection:
     hidden_norm     encoder.output_norm_enc.weight       hidden_norm.weight
 
 Attention biases exist only in z-lab's layout with `attention_bias: true`. Neither layout has an embedding or a
-head (the target's are used). Both save without a prefix (the model class is the base model); a checkpoint saved
+head (the target's are used). A drafter whose config sets `draft_vocab_size` (jaxspec's addition, models/dflash.py)
+stores its draft vocabulary as EAGLE-3 heads do: `d2t` (draft id d is token d + d2t[d]) and optionally `t2d`, read
+into `vocab_ids`. Both save without a prefix (the model class is the base model); a checkpoint saved
 from a wrapper puts every name under `model.`, which is read alike. Nothing else is accepted: a DFlash 2 tensor
 (`attention_conv`, `mlp_conv`, `candidate_selector`) or any other is named as unexpected.
 """
@@ -23,7 +25,9 @@ from .rules import (
     IndexedRule,
     TensorSource,
     convert_indexed,
+    draft_vocab_slots,
     gqa_attention_rules,
+    take_vocab_ids,
     transposed,
 )
 
@@ -56,6 +60,8 @@ def rules(cfg: DFlashConfig, prefix: str = "") -> list[IndexedRule]:
         (r"mlp\.up_proj\.weight", "w_up", transposed()),
         (r"mlp\.down_proj\.weight", "w_down", transposed()),
     ]
+    if cfg.draft_vocab_size:
+        top += [IndexedRule(r"d2t", "d2t"), IndexedRule(r"t2d", "t2d")]
     return ([IndexedRule(prefix + r.pattern, r.param, r.transform) for r in top]
             + [IndexedRule(prefix + LAYER + pattern, f"layers.{param}", transform)
                for pattern, param, transform in layer])
@@ -76,8 +82,16 @@ def convert_checkpoint(cfg: DFlashConfig, source: TensorSource, dtype, progress=
     """-> the module's pure dict: `fc`, `hidden_norm`, `final_norm`, and `layers: {i: {param: array}}`. Every tensor
     fills exactly one slot or is an ignored rotary buffer; a missing, unexpected or mis-shaped one is named."""
     prefix = _prefix(source)
-    params = convert_indexed(source, rules(cfg, prefix), ignores(prefix), param_shapes(cfg), dtype, progress=progress)
+    shapes, dtypes = param_shapes(cfg), {}
+    if cfg.draft_vocab_size:
+        vocab_shapes, dtypes = draft_vocab_slots(source, cfg.draft_vocab_size, cfg.vocab_size, required=True,
+                                                 prefix=prefix.replace("\\", ""))
+        shapes = shapes | vocab_shapes
+    params = convert_indexed(source, rules(cfg, prefix), ignores(prefix), shapes, dtype, progress=progress,
+                             param_dtypes=dtypes)
     out = {name: params[name] for name in top_param_shapes(cfg)}
+    if cfg.draft_vocab_size:
+        out["vocab_ids"] = take_vocab_ids(params, cfg.draft_vocab_size, cfg.vocab_size)
     out["layers"] = {i: {name: params[f"layers.{name}"][i] for name in layer_param_shapes(cfg)}
                      for i in range(cfg.num_layers)}
     return out

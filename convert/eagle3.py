@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 from jaxspec.models.eagle3 import Eagle3Config, param_shapes
 
-from .errors import CheckpointError
 from .rules import (
     Ignore,
     IndexedRule,
     TensorSource,
     convert_indexed,
+    draft_vocab_slots,
     gqa_attention_rules,
+    take_vocab_ids,
     transposed,
 )
 
@@ -69,23 +69,9 @@ def ignores() -> list[Ignore]:
 
 def convert_checkpoint(cfg: Eagle3Config, source: TensorSource, dtype, progress=None) -> dict:
     """-> the module's pure dict: every param of `param_shapes`, and `vocab_ids` (int32 [V'], from d2t)."""
-    shapes = dict(param_shapes(cfg))
-    vocab_dtypes = {}
-    if "d2t" in source.shapes or cfg.draft_vocab_size < cfg.vocab_size:
-        shapes["d2t"], vocab_dtypes["d2t"] = (cfg.draft_vocab_size,), np.int64
-    if "t2d" in source.shapes:
-        shapes["t2d"], vocab_dtypes["t2d"] = (cfg.vocab_size,), np.bool_
-    params = convert_indexed(source, rules(cfg), ignores(), shapes, dtype, progress=progress,
-                             param_dtypes=vocab_dtypes)
-    offsets = params.pop("d2t", np.zeros(cfg.draft_vocab_size, np.int64))
-    ids = np.arange(cfg.draft_vocab_size) + offsets
-    if ids.min() < 0 or ids.max() >= cfg.vocab_size or len(np.unique(ids)) != len(ids):
-        raise CheckpointError(f"d2t maps the {cfg.draft_vocab_size} draft ids to target tokens that are out of range "
-                              f"[0, {cfg.vocab_size}) or repeated; it is not a draft vocabulary.")
-    if "t2d" in params:
-        marked = np.asarray(params.pop("t2d"), bool)
-        if marked.sum() != len(ids) or not marked[ids].all():
-            raise CheckpointError("t2d does not mark exactly the target tokens that d2t maps the draft ids to "
-                                  f"({int(marked.sum())} marked, {len(ids)} draft ids).")
-    params["vocab_ids"] = ids.astype(np.int32)
+    vocab_shapes, vocab_dtypes = draft_vocab_slots(source, cfg.draft_vocab_size, cfg.vocab_size,
+                                                   required=cfg.draft_vocab_size < cfg.vocab_size)
+    params = convert_indexed(source, rules(cfg), ignores(), dict(param_shapes(cfg)) | vocab_shapes, dtype,
+                             progress=progress, param_dtypes=vocab_dtypes)
+    params["vocab_ids"] = take_vocab_ids(params, cfg.draft_vocab_size, cfg.vocab_size)
     return params

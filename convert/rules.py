@@ -16,7 +16,7 @@ import dataclasses
 import itertools
 import math
 import re
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -451,3 +451,34 @@ def gqa_attention_rules(d: int, h: int, k: int, dh: int) -> list[tuple[str, str,
         (r"self_attn\.k_norm\.weight", "k_norm", None),
         (r"self_attn\.o_proj\.weight", "wo", merge_heads_out(h, dh)),
     ]
+
+
+def draft_vocab_slots(source: TensorSource, draft_size: int, vocab_size: int | None, required: bool,
+                      prefix: str = "") -> tuple[dict[str, tuple[int, ...]], dict[str, Any]]:
+    """The slots (shapes, dtypes) of a draft vocabulary's tensors, as EAGLE-3 heads store theirs: `d2t` [V'] (draft
+    id d is token d + d2t[d]), filled when the checkpoint has it or `required`, and `t2d` [V] (a mask of the same
+    tokens), optional. `vocab_size` None (a config that does not name it): t2d's length is the checkpoint's.
+    `prefix`: the names' prefix in the checkpoint, as written there (e.g. "model.")."""
+    shapes, dtypes = {}, {}
+    if prefix + "d2t" in source.shapes or required:
+        shapes["d2t"], dtypes["d2t"] = (draft_size,), np.int64
+    if prefix + "t2d" in source.shapes:
+        length = vocab_size if vocab_size is not None else source.shapes[prefix + "t2d"][0]
+        shapes["t2d"], dtypes["t2d"] = (length,), np.bool_
+    return shapes, dtypes
+
+
+def take_vocab_ids(params: dict[str, Any], draft_size: int, vocab_size: int | None) -> np.ndarray:
+    """Pop `d2t` (absent: the identity) and `t2d` from converted `params` -> the draft vocabulary's token ids,
+    int32 [V']; raises unless they are distinct ids inside the vocabulary and t2d marks exactly them."""
+    ids = np.arange(draft_size) + params.pop("d2t", np.zeros(draft_size, np.int64))
+    limit = vocab_size if vocab_size is not None else np.inf
+    if draft_size and (ids.min() < 0 or ids.max() >= limit or len(np.unique(ids)) != len(ids)):
+        raise CheckpointError(f"d2t maps the {draft_size} draft ids to target tokens that are out of range "
+                              f"[0, {vocab_size}) or repeated; it is not a draft vocabulary.")
+    if "t2d" in params:
+        marked = np.asarray(params.pop("t2d"), bool)
+        if marked.sum() != len(ids) or ids.max(initial=-1) >= len(marked) or not marked[ids].all():
+            raise CheckpointError("t2d does not mark exactly the target tokens that d2t maps the draft ids to "
+                                  f"({int(marked.sum())} marked, {len(ids)} draft ids).")
+    return ids.astype(np.int32)

@@ -192,6 +192,11 @@ class BlockDrafterModel(Protocol):
         """Draft logits [..., V] float32 from final-normed hidden [..., D] and the target's [D, V] head."""
         ...
 
+    def draft_vocab_logits(self, hidden: jax.Array, rows: jax.Array) -> jax.Array:
+        """For a drafter with a draft vocabulary (`vocab_ids` [V'], only then): draft logits [..., V'] float32 from
+        the target head's rows for those ids [V', D], in `vocab_ids` order."""
+        ...
+
     def block_tokens(self, bonus: jax.Array) -> jax.Array:
         """bonus [B] -> the block's tokens [B, W]: the bonus token, then W - 1 mask tokens."""
         ...

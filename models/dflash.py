@@ -38,6 +38,13 @@ the committed context and itself. Masks, by query position q and key position k 
   `is_causal`, and keep keys with |q - k| < sliding_window (`_attention_mask`); `is_causal: true` makes every layer
   causal, `false` none.
 
+A draft vocabulary (jaxspec's addition to both layouts, as FR-Spec and EAGLE-3 heads reduce theirs): with
+`draft_vocab_size` V' > 0 in config.json and `d2t` in the weights (draft id d is token d + d2t[d]; `t2d`, a [V] mask
+of the same tokens, optional), drafts come from the target's head rows for those V' tokens only, -inf elsewhere
+(`draft_vocab_logits`). The head's share of a draft falls by V / V'; q is zero outside V', which keeps sampling exact
+(the residual returns the target's mass there), and greedy output is plain greedy's whatever the drafts. Neither
+reference reads it: their drafts use the whole head.
+
 Where the final norm lives: in the drafter (`draft_block` returns final-normed states), since it is the drafter's
 tensor. The head is the target's: `drafter.logits(hidden, head)` with the target's [D, V] head. Not
 `target.logits`: a target family that soft-caps its own logits (Gemma) would cap drafts that neither reference caps.
@@ -78,13 +85,15 @@ _SHARED_KEYS = frozenset({
     "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "max_position_embeddings", "sliding_window",
     "layer_types", "hidden_act",
 })
-_MUSE_KEYS = _GENERIC_KEYS | _SHARED_KEYS | {"block_size", "mask_token_id", "target_layer_ids"}
+# `draft_vocab_size` (with `d2t` / `t2d` tensors, as EAGLE-3 heads store theirs) is jaxspec's addition to both
+# layouts: a draft vocabulary, which neither reference reads (module docstring).
+_MUSE_KEYS = _GENERIC_KEYS | _SHARED_KEYS | {"block_size", "mask_token_id", "target_layer_ids", "draft_vocab_size"}
 # z-lab reads each DFlash setting from `dflash_config` first, then from the top level (`_draft_value`).
 _DRAFT_VALUES = ("block_size", "mask_token_id", "target_layer_ids", "input_embedding_scale", "output_multiplier",
                  "final_logit_softcapping")
 _DFLASH_KEYS = (_GENERIC_KEYS | _SHARED_KEYS | set(_DRAFT_VALUES)
                 | {"vocab_size", "attention_bias", "use_sliding_window", "max_window_layers", "is_causal",
-                   "num_target_layers", "dflash_config"})
+                   "num_target_layers", "dflash_config", "draft_vocab_size"})
 # What DFlash 2 (`DFlash2DraftModel`) adds; none of it runs here.
 _DFLASH2_KEYS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size")
 DFLASH2_UNSUPPORTED = (
@@ -128,11 +137,17 @@ class DFlashConfig:
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
     tie_word_embeddings: bool = False  # the drafter has no embedding or head of its own
+    draft_vocab_size: int = 0  # V': drafts come from the target's head over these token ids only; 0: every token
 
     def __post_init__(self):
         if isinstance(self.block_size, bool) or self.block_size < 2:
             raise ValueError(f"block_size must be at least 2 (the bonus token and one mask token), got "
                              f"{self.block_size}.")
+        size = self.draft_vocab_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0 \
+                or (self.vocab_size is not None and size > self.vocab_size):
+            raise ValueError(f"draft_vocab_size must be an integer from 1 to the vocabulary's size "
+                             f"({self.vocab_size}), or 0 for none; got {size!r}.")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
                              f"({self.num_kv_heads}).")
@@ -175,6 +190,7 @@ class DFlashConfig:
             bos_token_id=hf.get("bos_token_id", 200000),
             eos_token_id=_ids(hf.get("eos_token_id", 200001)),
             pad_token_id=hf.get("pad_token_id", 200018),
+            draft_vocab_size=hf.get("draft_vocab_size") or 0,
         )
 
     @classmethod
@@ -223,6 +239,7 @@ class DFlashConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=_ids(hf.get("eos_token_id")),
             pad_token_id=hf.get("pad_token_id"),
+            draft_vocab_size=hf.get("draft_vocab_size") or 0,
         )
 
     @property
@@ -373,6 +390,8 @@ class DFlashDrafter(nnx.Module):
         for name, shape in top_param_shapes(cfg).items():
             setattr(self, name, nnx.Param(L.init_value(name, shape, dtype, rngs), logical_axes=TOP_AXES[name]))
         self.layers = nnx.List([DFlashLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        if cfg.draft_vocab_size:
+            self.vocab_ids = L.DraftVocab(L.initial_ids(cfg.draft_vocab_size))
 
     def project_context(self, target_hidden: jax.Array) -> jax.Array:
         """target_hidden [B, T, n*D] (the tapped target layers' outputs, concatenated in `target_layer_ids` order)
@@ -427,7 +446,15 @@ class DFlashDrafter(nnx.Module):
     def logits(self, hidden: jax.Array, head: jax.Array) -> jax.Array:
         """Draft logits from final-normed states: hidden [..., D] @ head [D, V] (the target's head), times
         output_multiplier, soft-capped by final_logit_softcapping (z-lab's `compute_logits`) -> [..., V] float32."""
-        logits = I.project("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+        return self._scaled(I.project("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32))
+
+    def draft_vocab_logits(self, hidden: jax.Array, rows: jax.Array) -> jax.Array:
+        """`logits` over the draft vocabulary only: hidden [..., D] and the target head's rows for `vocab_ids`
+        [V', D] (gathered once per call: `int8.head_rows`) -> [..., V'] float32, in `vocab_ids` order
+        (`layers.spread_to_vocab` places them in the target's vocabulary, -inf elsewhere)."""
+        return self._scaled(I.project("...d,vd->...v", hidden, rows, preferred_element_type=jnp.float32))
+
+    def _scaled(self, logits: jax.Array) -> jax.Array:
         if self.cfg.output_multiplier != 1.0:
             logits = logits * self.cfg.output_multiplier
         return L.soft_cap(logits, self.cfg.final_logit_softcapping)

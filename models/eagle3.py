@@ -215,10 +215,6 @@ def param_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class DraftVocab(nnx.Variable):
-    """The target token id of each draft-vocabulary entry [V'] (d + d2t[d]); not a trained parameter."""
-
-
 class Eagle3Head(nnx.Module):
     """An EAGLE-3 head. One round, for rows with committed length L (module docstring for the recipe):
 
@@ -236,7 +232,7 @@ class Eagle3Head(nnx.Module):
         rngs = rngs or nnx.Rngs(0)
         for name, shape in param_shapes(cfg).items():
             setattr(self, name, nnx.Param(L.init_value(name, shape, dtype, rngs), logical_axes=PARAM_AXES[name]))
-        self.vocab_ids = DraftVocab(L.initial_ids(cfg.draft_vocab_size))
+        self.vocab_ids = L.DraftVocab(L.initial_ids(cfg.draft_vocab_size))
 
     def params(self) -> dict[str, jax.Array]:
         return I.layer_params(self)

@@ -133,6 +133,14 @@ def head_weight(module):
     return tied_head(weight(module, "embed")) if module.cfg.tie_word_embeddings else weight(module, "lm_head")
 
 
+def head_rows(module, ids: jax.Array):
+    """[V', D]: the rows of a causal LM's head for token ids [V'] (a draft vocabulary), gathered from the tied
+    embedding or the untied head, still quantized where the model is. Gathering reads as many bytes as one product
+    over the rows, so a decoding call gathers them once, not every draft step."""
+    table = weight(module, "embed") if module.cfg.tie_word_embeddings else logical(weight(module, "lm_head")).T
+    return table[ids]
+
+
 def tied_head(embed):
     """A tied [V, D] embedding as the [D, V] head: on XLA:CPU a `TransposedWeight` (a row's logits are then the
     matrix-vector product embed @ h, the embedding read in place), elsewhere the transposed view XLA folds in."""

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from . import int8 as I
 
@@ -412,6 +413,10 @@ def shapes_only(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct | None:
     """Inside `abstract_module`, what a fresh param of `shape` and `dtype` stands for; None otherwise (initialise
     it for real)."""
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)) if _SHAPES_ONLY.get() else None
+
+
+class DraftVocab(nnx.Variable):
+    """The target token ids [V'] of a draft vocabulary (drafts may propose only these); not a trained parameter."""
 
 
 def initial_ids(size: int) -> jax.Array | jax.ShapeDtypeStruct:

@@ -227,10 +227,6 @@ class LlamaMtpLayer(LlamaDecoderLayer):
             setattr(self, name, nnx.Param(L.init_value(name, shape, dtype, rngs), logical_axes=axes))
 
 
-class DraftVocab(nnx.Variable):
-    """Token ids [V'] that MTP drafts may propose; not a trained parameter."""
-
-
 class LlamaForCausalLM(nnx.Module):
     """`model(tokens[B,T], positions[B,T], cache) -> (logits[B,T,V], hidden[B,T,D], cache)`.
 
@@ -263,7 +259,7 @@ class LlamaForCausalLM(nnx.Module):
         if cfg.num_mtp_layers:
             self.mtp_layers = nnx.List([LlamaMtpLayer(cfg, dtype, rngs) for _ in range(cfg.num_mtp_layers)])
         if cfg.draft_vocab_size:
-            self.draft_vocab = DraftVocab(L.initial_ids(cfg.draft_vocab_size))
+            self.draft_vocab = L.DraftVocab(L.initial_ids(cfg.draft_vocab_size))
 
     # -- pieces, so drafters can run part of the network ---------------------------------------------------------
 
@@ -346,8 +342,7 @@ class LlamaForCausalLM(nnx.Module):
     def draft_head(self) -> jax.Array:
         """[V', D]: the head's rows for the draft vocabulary's ids. Gathering them reads as many bytes as the product
         that uses them, so decoding gathers them once per call (`MtpDrafter.init`), not once per draft step."""
-        ids = self.draft_vocab[...]
-        return I.weight(self, "embed")[ids] if self.cfg.tie_word_embeddings else I.weight(self, "lm_head").T[ids]
+        return I.head_rows(self, self.draft_vocab[...])
 
     def draft_vocab_logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
         """The draft head over the V' token ids of `draft_vocab`: [..., D] -> [..., V'], float32. `head`: this

@@ -6,7 +6,8 @@ from the prompt's chunks, then from each verified round's committed tokens, whic
 or the ring is full (`base.PendingFeatures`: a round that drafts nothing projects nothing). So rollback is a length, as
 for every cache, and nothing a rejected draft produced is ever read. One drafter forward over `[last, mask x K]` at
 positions L-1 .. L-1+K (L the row's committed length; the context covers the positions below L-1) drafts a whole
-block; the drafts' logits come from the target's LM head.
+block; the drafts' logits come from the target's LM head (its rows for the drafter's draft vocabulary only, where the
+checkpoint has one: models/dflash.py).
 
 Exact sampling: draft j is drawn from the drafter's logits at block position j processed with the prefix it extends
 (the committed tokens and drafts 1..j-1, as the target's logits are when verifying), and q_j is that distribution.
@@ -35,6 +36,7 @@ import numpy as np
 from ..costs import weight_bytes
 from ..head import for_rows
 from ..models import int8 as I
+from ..models.layers import spread_to_vocab
 from ..schedule import DraftLength, Schedule, make_schedule, verify_widths
 from ..tree import candidate_weights, draw_candidates, sibling_tree
 from .base import (Context, DecodeState, Draft, Drafter, DraftStep, PendingFeatures, PrefillChunk, RoundResult,
@@ -50,6 +52,8 @@ class BlockState:
     cache: Any  # the drafter's context cache: each layer's keys and values of the context, by position
     pending: PendingFeatures  # committed tokens' features not yet projected into `cache`
     length: DraftLength
+    draft_head: Any  # [V', D] the target head's rows for the drafter's draft vocabulary, gathered once per call;
+    # None for a drafter without one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +71,11 @@ class BlockDrafter(Drafter):
 
     def init(self, ctx: Context, batch: int, size: int) -> BlockState:
         width = len(self.feature_layers) * ctx.target.cfg.hidden_size
+        vocab_ids = getattr(ctx.assistant, "vocab_ids", None)
         return BlockState(cache=ctx.assistant.init_cache(batch, size),
                           pending=pending_features(self, batch, width, ctx.target.dtype, drop=size),
-                          length=self.schedule.init(batch, ctx.draft_inputs["initial_draft_length"]))
+                          length=self.schedule.init(batch, ctx.draft_inputs["initial_draft_length"]),
+                          draft_head=None if vocab_ids is None else I.head_rows(ctx.target, vocab_ids[...]))
 
     def prefill_chunk(self, ctx: Context, state: BlockState, chunk: PrefillChunk) -> BlockState:
         positions = jnp.where(chunk.valid, chunk.positions, state.cache.size)  # padding past a prompt: dropped
@@ -98,7 +104,7 @@ class BlockDrafter(Drafter):
             hidden = self._block_hidden(ctx, loop, state.cache)  # [B, W, D]: one forward, whatever a row drafts
 
             def draw(drafts: int):
-                return padded(*self._draw(ctx, loop, hidden, rng, drafts, branches, selects))
+                return padded(*self._draw(ctx, loop, hidden, state.draft_head, rng, drafts, branches, selects))
 
             # The fewest of `drafts_drawn` that hold every row's limit.
             index = jnp.sum(jnp.asarray(self.drafts_drawn) < jnp.max(limit))
@@ -132,20 +138,30 @@ class BlockDrafter(Drafter):
         positions = (loop.lengths - 1)[:, None] + jnp.arange(block.shape[1])[None, :]  # [B, W]
         return drafter.draft_block(embedded, positions, cache, loop.lengths - 1)
 
-    def _draw(self, ctx: Context, loop: DecodeState, hidden: jax.Array, rng, drafts: int, branches: int,
+    def _draw(self, ctx: Context, loop: DecodeState, hidden: jax.Array, draft_head, rng, drafts: int, branches: int,
               selects: bool):
-        """The block's first `drafts` positions through the target's head, each drawn from its processed
-        distribution, with `branches` - 1 alternatives each (jaxspec.tree.draw_candidates) -> (tokens [B, n, F],
-        their laws [B, n, F, V] or None, and with `selects` each position's candidate weights [B, n, F + 1]) for
-        n = `drafts`."""
-        batch = loop.lengths.shape[0]
-        head = for_rows(ctx.head, batch * drafts)
-        head = I.head_weight(ctx.target) if head is None else head
-        logits = ctx.assistant.logits(hidden[:, 1:drafts + 1], head)  # [B, n, V]: entry j drafts position L + j
+        """The block's first `drafts` positions through the target's head (through `draft_head`'s rows [V', D] only,
+        where the drafter has a draft vocabulary), each drawn from its processed distribution, with `branches` - 1
+        alternatives each (jaxspec.tree.draw_candidates) -> (tokens [B, n, F], their laws [B, n, F, V] or None, and
+        with `selects` each position's candidate weights [B, n, F + 1]) for n = `drafts`."""
+        batch, drafting = loop.lengths.shape[0], hidden[:, 1:drafts + 1]  # entry j drafts position L + j
+        if draft_head is not None:
+            # One product over the V' rows [B, n, V'], placed in the vocabulary a position at a time: placed whole,
+            # XLA:CPU laid the [B, n, V] result out vocabulary-major for n > 1, and every read of it strided.
+            reduced, ids = ctx.assistant.draft_vocab_logits(drafting, draft_head), ctx.assistant.vocab_ids[...]
+
+            def position_logits(j):  # -> [B, 1, V], -inf outside the draft vocabulary
+                return spread_to_vocab(reduced[:, j:j + 1], ids, ctx.target.cfg.vocab_size)
+        else:
+            head = for_rows(ctx.head, batch * drafts)
+            logits = ctx.assistant.logits(drafting, I.head_weight(ctx.target) if head is None else head)  # [B, n, V]
+
+            def position_logits(j):
+                return logits[:, j:j + 1]
         rows = jnp.arange(batch)
         tokens, probs, weights, history = [], [], [], loop.tokens
         for j in range(drafts):  # static and small; each draft's processing sees the drafts before it
-            processed = ctx.process(logits[:, j:j + 1], history, loop.lengths + j, loop.prompt_lengths)[:, 0]
+            processed = ctx.process(position_logits(j), history, loop.lengths + j, loop.prompt_lengths)[:, 0]
             candidates, laws = draw_candidates(jax.random.fold_in(rng, j), processed, branches, ctx.do_sample,
                                                self.keep_probs, law=draft_distribution)  # [B, F], [B, F, V]
             history = history.at[rows, loop.lengths + j].set(candidates[:, 0], mode="drop")
@@ -160,8 +176,8 @@ class BlockDrafter(Drafter):
         """The committed tokens' features join the pending ring, projected into the context when a round drafts."""
         cache, pending = defer_committed(self, result, state.pending, functools.partial(self._write, ctx),
                                          state.cache)
-        return BlockState(cache=cache, pending=pending,
-                          length=self.schedule.update(state.length, result, self.max_draft))
+        return dataclasses.replace(state, cache=cache, pending=pending,
+                                   length=self.schedule.update(state.length, result, self.max_draft))
 
     def _write(self, ctx: Context, features: jax.Array, positions: jax.Array, cache):
         """features [B, T, F*D] (the tapped layers, sorted) -> the drafter's context written at positions [B, T]."""
@@ -193,6 +209,7 @@ def build(request: BuildRequest) -> StrategyChoice:
     drafter_model, target = request.options["assistant_model"], request.model
     cfg = drafter_model.config
     cfg.check_target(target.config)
+    _check_draft_vocab(drafter_model.module, target.config.vocab_size)
     block = cfg.block_size - 1  # drafts per block: the most a round can verify
     drafts = request.options.get("num_assistant_tokens") or block
     check_positive_int("num_assistant_tokens", drafts)
@@ -215,6 +232,18 @@ def build(request: BuildRequest) -> StrategyChoice:
                            feature_layers=tuple(sorted(set(cfg.target_layer_ids))),
                            context_layers=tuple(cfg.target_layer_ids), final_layer=target.config.num_layers - 1)
     return StrategyChoice(DFLASH, drafter, drafter_model)
+
+
+def _check_draft_vocab(module, vocab_size: int) -> None:
+    """Raise unless the drafter's draft vocabulary (if any) names tokens of the target's vocabulary: a config that
+    does not say the vocabulary's size (HF muse's) leaves this to the pair."""
+    ids = getattr(module, "vocab_ids", None)
+    if ids is None:
+        return
+    largest = int(np.max(np.asarray(ids[...].addressable_data(0))))
+    if largest >= vocab_size:
+        raise ValueError(f"the DFlash drafter's draft vocabulary (d2t) names token {largest}, outside the target's "
+                         f"vocabulary of {vocab_size} tokens.")
 
 
 DFLASH = Strategy(

@@ -30,6 +30,7 @@ import jaxspec
 from jaxspec.convert.errors import CheckpointError
 from jaxspec.convert.rules import CheckpointMismatch
 from jaxspec.models.dflash import DFLASH, DFlashConfig, DFlashDrafter
+from jaxspec.models.layers import spread_to_vocab
 
 # z-lab's reference modeling code; the README's test command installs it (`pip install --no-deps dflash==0.1.0`).
 from dflash import model as dflash_model  # noqa: E402
@@ -283,6 +284,51 @@ def test_config_errors_name_the_key(saved, tmp_path):
         DFlashConfig.from_hf_config(zlab | {"dflash_config": {"target_layer_ids": TARGET_LAYERS}})
     with pytest.raises(ValueError, match="selector"):  # a DFlash setting z-lab's DFlashDraftModel does not read
         DFlashConfig.from_hf_config(zlab | {"dflash_config": zlab["dflash_config"] | {"selector": 1}})
+
+
+def test_a_draft_vocabulary_heads_drafts_over_its_tokens_only(saved, inputs, tmp_path):
+    """jaxspec's draft vocabulary (config `draft_vocab_size`, tensors `d2t` / `t2d` as EAGLE-3 heads store theirs):
+    the draft logits over the head's rows for those tokens are the whole head's there, output multiplier and soft cap
+    included (z-lab's layout here sets both), and -inf at every other token."""
+    ids = np.arange(0, V, 3)  # V' = 32 of the 96 tokens
+    drafter = jaxspec.load(dflash_fixtures.with_draft_vocab(saved["zlab"][1], tmp_path, ids, V)).module
+    np.testing.assert_array_equal(np.asarray(drafter.vocab_ids[...]), ids)
+    hidden = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, D)), jnp.float32)
+    head = jnp.asarray(inputs["head"])  # [D, V]
+    whole = np.asarray(drafter.logits(hidden, head))
+    restricted = np.asarray(spread_to_vocab(drafter.draft_vocab_logits(hidden, head.T[ids]),
+                                            drafter.vocab_ids[...], V))  # [2, 3, V]
+    np.testing.assert_allclose(restricted[..., ids], whole[..., ids], rtol=1e-5, atol=1e-6)
+    assert np.all(restricted[..., np.setdiff1d(np.arange(V), ids)] == -np.inf)
+
+
+def test_draft_vocabulary_errors_name_the_tensor_or_key(saved, tmp_path):
+    ids = np.arange(0, V, 3)
+    with_vocab = dflash_fixtures.with_draft_vocab(saved["zlab"][1], tmp_path / "vocab", ids, V)
+    tensors = load_file(os.path.join(with_vocab, "model.safetensors"))
+    # d2t and t2d where the config sets no draft vocabulary: no slot takes them
+    without_key = _copy(with_vocab, _mkdir(tmp_path / "no_key"),
+                        config=lambda hf: {k: v for k, v in hf.items() if k != "draft_vocab_size"})
+    with pytest.raises(CheckpointMismatch, match="d2t"):
+        jaxspec.load(without_key)
+    # the config's draft vocabulary without its map
+    with pytest.raises(CheckpointMismatch, match="d2t"):
+        jaxspec.load(_copy(with_vocab, _mkdir(tmp_path / "no_d2t"), drop={"d2t"}))
+    # a map that leaves the vocabulary, and a mask that marks other tokens
+    outside = tensors["d2t"].copy()
+    outside[-1] += V
+    with pytest.raises(CheckpointError, match="d2t"):
+        jaxspec.load(_copy(with_vocab, _mkdir(tmp_path / "outside"), add={"d2t": outside}))
+    with pytest.raises(CheckpointError, match="t2d"):
+        jaxspec.load(_copy(with_vocab, _mkdir(tmp_path / "t2d"), add={"t2d": np.roll(tensors["t2d"], 1)}))
+    zlab = json.load(open(os.path.join(saved["zlab"][1], "config.json")))
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        DFlashConfig.from_hf_config(zlab | {"draft_vocab_size": V + 1})
+
+
+def _mkdir(path):
+    path.mkdir()
+    return path
 
 
 def test_dflash2_names_what_is_unsupported(saved):

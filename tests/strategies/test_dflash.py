@@ -232,14 +232,14 @@ def test_the_references_sample_exactly(pair):
         assert min(oracles.goodness_of_fit(samples[:, i], colder[i]) for i in range(3)) < 1e-6, name
 
 
-def _drafted_rounds(target, drafter, draw_all: bool, **kwargs):
-    """Every round's (count, drafts of row 0 up to K) as the loop proposed them; `draw_all`: every drafting round draws
-    all K positions of its block, as DFlash rounds did before 7d5bb0a."""
+def _drafted_rounds(target, drafter, draw_all: bool, row: int = 0, **kwargs):
+    """Every round's (count, drafts of `row` up to K) as the loop proposed them; `draw_all`: every drafting round
+    draws all K positions of its block, as DFlash rounds did before 7d5bb0a."""
     rounds = []
 
     def draft(self, ctx, loop_state, state, rng):
         step = real_draft(self, ctx, loop_state, state, rng)
-        jax.debug.callback(lambda tokens, count: rounds.append((count.tolist(), tokens[0].tolist())),
+        jax.debug.callback(lambda tokens, count: rounds.append((count.tolist(), tokens[row].tolist())),
                            step.draft.tokens, step.draft.count, ordered=True)
         return step
 
@@ -270,3 +270,66 @@ def test_a_round_draws_only_the_drafts_its_rows_may_propose(agreeing_pair, do_sa
             single += 1
             assert drafts[1:] == [0] * (len(drafts) - 1)
     assert single >= 2, rounds  # the schedule's one-draft probes took the narrow branch
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A draft vocabulary (models/dflash.py): drafts over V' of the target's tokens, q zero elsewhere
+
+VOCAB = 128  # the tiny target's
+FAVOURITE = 78  # the agreeing drafter's favourite draft after PROMPTS[2] (agreeing_pair's docstring)
+
+
+def test_a_draft_vocabulary_restricts_the_drafts_not_the_output(agreeing_pair, tmp_path):
+    """Without its favourite token in the draft vocabulary, the agreeing drafter never proposes it, and the output is
+    still plain greedy's; with every token in it, rounds draft and accept exactly what the drafter without one does
+    (the restricted head computes the same logits)."""
+    target, drafter, _, hf_drafter = agreeing_pair
+    hf_drafter.save_pretrained(tmp_path / "saved")
+    without_favourite = np.setdiff1d(np.arange(VOCAB), [FAVOURITE])
+    restricted = jaxspec.load(dflash_fixtures.with_draft_vocab(tmp_path / "saved", tmp_path / "restricted",
+                                                               without_favourite, VOCAB))
+    every = jaxspec.load(dflash_fixtures.with_draft_vocab(tmp_path / "saved", tmp_path / "every", np.arange(VOCAB),
+                                                          VOCAB))
+    plain = jaxspec.generate(target, PROMPTS, max_new_tokens=20, eos_token_id=[])
+    constant = dict(num_assistant_tokens_schedule="constant")
+    runs = {name: _drafted_rounds(target, model, draw_all=False, row=2, **constant)
+            for name, model in (("drafter", drafter), ("restricted", restricted), ("every", every))}
+    for out, _ in runs.values():
+        np.testing.assert_array_equal(out.sequences, plain.sequences)
+
+    def proposed(rounds):
+        return [token for count, drafts in rounds for token in drafts[: count[2]]]
+
+    assert FAVOURITE in proposed(runs["drafter"][1])
+    assert proposed(runs["restricted"][1]) and FAVOURITE not in proposed(runs["restricted"][1])
+    assert runs["every"][1] == runs["drafter"][1]
+    np.testing.assert_array_equal(runs["every"][0].accepted, runs["drafter"][0].accepted)
+    assert runs["restricted"][0].accepted.sum() < runs["drafter"][0].accepted.sum()
+
+
+def test_sampling_with_a_draft_vocabulary_is_exact(pair, tmp_path):
+    """4000 rows with drafts over the even tokens only: q is zero at half the tokens the target samples, whose mass
+    the residual must return. The first three tokens follow the target's processed law; the lossy-q control of
+    `test_sampling_is_exact_and_a_lossy_q_is_caught` is caught by the same check here too."""
+    target, _, hf_target, hf_drafter = pair
+    hf_drafter.save_pretrained(tmp_path / "saved")
+    drafter = jaxspec.load(dflash_fixtures.with_draft_vocab(tmp_path / "saved", tmp_path / "even",
+                                                            np.arange(0, VOCAB, 2), VOCAB))
+    exact = oracles.exact_marginals(hf_target, PROMPTS[2], positions=3, temperature=TEMPERATURE)
+    out, new = _sampled_first_tokens(target, drafter, 4000)
+    assert int(out.accepted_hist[:, 2:].sum()) > 500, "too few rounds accepted two or more drafts"
+    for i in range(3):
+        assert oracles.goodness_of_fit(new[:, i], exact[i]) > 1e-3, i
+    with patched(dflash_strategy, draft_distribution=lambda processed: jax.nn.softmax(processed * TEMPERATURE, -1)):
+        _, lossy = _sampled_first_tokens(target, drafter, 4000)
+    assert min(oracles.goodness_of_fit(lossy[:, i], exact[i]) for i in range(3)) < 1e-6
+
+
+def test_a_draft_vocabulary_outside_the_target_vocabulary_is_refused(pair, tmp_path):
+    """transformers' layout does not say its vocabulary's size, so the pair is checked when the strategy is built."""
+    target, _, _, hf_drafter = pair
+    hf_drafter.save_pretrained(tmp_path / "saved")
+    drafter = jaxspec.load(dflash_fixtures.with_draft_vocab(tmp_path / "saved", tmp_path / "wide",
+                                                            [3, VOCAB + 5], VOCAB + 6))
+    with pytest.raises(ValueError, match=r"draft vocabulary \(d2t\) names token 133"):
+        jaxspec.generate(target, PROMPTS[:1], max_new_tokens=4, assistant_model=drafter)
