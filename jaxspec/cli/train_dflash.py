@@ -22,7 +22,10 @@ Steps:
    block size), KL to the target's next-token distribution. Orbax checkpoints in WORKDIR/checkpoints; rerunning the
    same command resumes. Held-out greedy block acceptance is replayed every --eval-every steps.
 4. WORKDIR/loss.png, WORKDIR/summary.json, and with --out the drafter folder (config.json, model.safetensors in
-   bfloat16, training.json with the held-out acceptance and the recipe).
+   bfloat16, training.json with the held-out acceptance and the recipe), with a draft vocabulary (--draft-vocab):
+   the V' tokens the training answers use most, as for jaxspec-train-eagle3. Training does not use it: drafts are
+   headed over those V' rows of the target's head only, which makes a draft's head V / V' times cheaper
+   (models/dflash.py).
 
 Before the long work starts, the script times the target and one train step on this machine and prints how long
 the run will take and how much memory the corpus needs.
@@ -56,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the block's mask token (default: the tokenizer's mask token, else the id the training "
                         "answers use least)")
     p.add_argument("--anchors", type=int, default=32, help="blocks per row per train step")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="V': the written drafter drafts over the V' tokens the training answers use most (0, or at "
+                        "least the vocabulary's size: over every token)")
     p.add_argument("--loss-decay", type=float, default=None,
                    help="gamma of the block-entry weights exp(-(k-1)/gamma) (default: 7 for W=16, 5 for 10, 4 for 8)")
     # No stdlib windows by default: past its first entry, a block's targets are conditioned on tokens the target
@@ -68,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_data_flags(p, args)
     check_run_flags(p, args)
     check_at_least_one(p, args, ("layers", "anchors"))
+    if args.draft_vocab < 0:
+        p.error("--draft-vocab must be >= 0 (0: every token)")
     if args.block_size < 2:
         p.error("--block-size must be >= 2 (the bonus token and at least one mask token)")
     parse_target_layers(p, args)
@@ -140,10 +148,32 @@ def main(argv=None) -> int:
     if args.out:
         from jaxspec.train import save_dflash_drafter
 
+        drafter, vocabulary = _with_vocabulary(result.model, train_corpus, heldout, args.draft_vocab)
         training = {"base": args.model, "heldout": final, "recipe": recipe | {"model": args.model},
-                    "train_config": result.history["settings"]}
-        print(f"wrote {save_dflash_drafter(result.model, args.out, training=training)}")
+                    "train_config": result.history["settings"] | {"draft_vocab": vocabulary}}
+        print(f"wrote {save_dflash_drafter(drafter, args.out, training=training)}")
     return 0
+
+
+def _with_vocabulary(drafter, train_corpus, heldout, size: int):
+    """The trained drafter with the draft vocabulary of `size` tokens the training answers use most (none where
+    `size` is 0 or covers the vocabulary), and what to record of it: its size, the sha256 of its ids (int32) and the
+    share of held-out answer tokens it covers."""
+    import hashlib
+
+    import numpy as np
+
+    from jaxspec.train import draft_vocabulary_for, with_draft_vocab
+    from jaxspec.train.eagle3_export import vocabulary_coverage
+
+    vocab_size = drafter.config.vocab_size
+    if not size or size >= vocab_size:
+        return drafter, None
+    ids = draft_vocabulary_for(train_corpus, size, vocab_size).astype(np.int32)
+    coverage = vocabulary_coverage(heldout, ids, vocab_size)
+    print(f"draft vocabulary: {len(ids)} tokens cover {coverage:.3f} of the held-out answer tokens")
+    return with_draft_vocab(drafter, ids), {"size": len(ids), "sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
+                                            "heldout_coverage": round(coverage, 4)}
 
 
 def _calibrate(model, probe, args, need_data: bool) -> dict[str, float]:

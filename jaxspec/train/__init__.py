@@ -21,7 +21,7 @@ a model. `scripts/train_mtp.py`, `scripts/train_dflash.py` and `scripts/train_ea
 
 from .data import Corpus
 from .dflash_data import BlockCorpus
-from .dflash_export import new_dflash_drafter, save_dflash_drafter
+from .dflash_export import new_dflash_drafter, save_dflash_drafter, with_draft_vocab
 from .dflash_loop import DFlashTrainConfig, plot_dflash_history, train_dflash
 from .eagle3_export import draft_vocabulary_for, new_eagle3_head, save_eagle3_head
 from .eagle3_loop import Eagle3TrainConfig, plot_eagle3_history, train_eagle3
@@ -32,4 +32,4 @@ from .step import OptimConfig
 __all__ = ["BlockCorpus", "Corpus", "DFlashTrainConfig", "Eagle3TrainConfig", "OptimConfig", "TrainConfig",
            "TrainResult", "attach_mtp_layers", "draft_vocabulary_for", "new_dflash_drafter", "new_eagle3_head",
            "plot_dflash_history", "plot_eagle3_history", "plot_history", "save_dflash_drafter", "save_eagle3_head",
-           "save_mtp_asset", "train", "train_dflash", "train_eagle3", "with_trained"]
+           "save_mtp_asset", "train", "train_dflash", "train_eagle3", "with_draft_vocab", "with_trained"]

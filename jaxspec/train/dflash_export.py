@@ -30,7 +30,7 @@ from jaxspec.models import int8 as I
 from jaxspec.models.dflash import DFLASH, DFlashConfig, DFlashDrafter, default_target_layer_ids, layer_param_shapes
 
 from .dflash_data import check_layer_ids
-from .export import write_drafter_folder
+from .export import draft_vocab_tensors, write_drafter_folder
 
 
 
@@ -156,14 +156,36 @@ def with_drafter_state(drafter: Model, state) -> Model:
 # Export
 
 
+def with_draft_vocab(drafter: Model, ids: Sequence[int] | None) -> Model:
+    """A copy of `drafter` whose drafts come from the target's head over token ids `ids` only (distinct, ascending,
+    inside the drafter's vocabulary: `draft_vocabulary_for`), or over every token with None. The weights are shared;
+    the draft vocabulary is not trained (models/dflash.py, module docstring)."""
+    vocab = drafter.config.vocab_size  # None for transformers' layout, whose config does not say
+    hf_config = {key: value for key, value in drafter.hf_config.items() if key != "draft_vocab_size"}
+    params = {key: value for key, value in nnx.to_pure_dict(nnx.state(drafter.module)).items() if key != "vocab_ids"}
+    if ids is not None:
+        ids = np.asarray(ids)
+        limit = np.inf if vocab is None else vocab
+        if ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= limit or np.any(np.diff(ids) <= 0):
+            raise ValueError(f"a draft vocabulary is distinct token ids in 0..{limit - 1}, ascending; got {len(ids)} "
+                             "ids that are not.")
+        hf_config["draft_vocab_size"] = int(len(ids))
+        params["vocab_ids"] = ids.astype(np.int32)
+    new_cfg = DFlashConfig.from_hf_config(hf_config)
+    module = build_module(DFlashDrafter, new_cfg, drafter.module.dtype, params)
+    return dataclasses.replace(drafter, module=module, config=new_cfg, hf_config=hf_config)
+
+
 def dflash_hf_tensors(cfg: DFlashConfig, params: dict[str, Any], dtype=ml_dtypes.bfloat16) -> dict[str, np.ndarray]:
     """The inverse of convert/dflash.py for z-lab's layout: the module's pure dict -> HF tensor names and layouts
-    (`fc.weight` [D, n*D], `hidden_norm.weight`, `norm.weight`, `layers.{i}.*` with Qwen3's names)."""
+    (`fc.weight` [D, n*D], `hidden_norm.weight`, `norm.weight`, `layers.{i}.*` with Qwen3's names), and a draft
+    vocabulary's `d2t` / `t2d` where the drafter has one."""
     out = {"fc.weight": np.asarray(params["fc"]).T, "hidden_norm.weight": np.asarray(params["hidden_norm"]),
            "norm.weight": np.asarray(params["final_norm"])}
     for index, layer in params["layers"].items():
         out |= layer_hf_tensors(layer, cfg.hidden_size, f"layers.{int(index)}.")
-    return {name: np.ascontiguousarray(value.astype(dtype)) for name, value in out.items()}
+    out = {name: np.ascontiguousarray(value.astype(dtype)) for name, value in out.items()}
+    return out | (draft_vocab_tensors(params["vocab_ids"], cfg.vocab_size) if "vocab_ids" in params else {})
 
 
 def save_dflash_drafter(drafter: Model, folder: str, dtype=ml_dtypes.bfloat16,

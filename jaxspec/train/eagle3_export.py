@@ -46,7 +46,7 @@ from jaxspec.models.eagle3 import EAGLE3, Eagle3Config, Eagle3Head
 
 from .data import draft_vocabulary
 from .dflash_data import BlockCorpus
-from .export import write_drafter_folder
+from .export import draft_vocab_tensors, write_drafter_folder
 
 INIT_STD = 0.02  # the random midlayer matrices' scale: transformers' initializer_range, SpecForge's heads' start
 
@@ -224,12 +224,7 @@ def eagle3_hf_tensors(cfg: Eagle3Config, params: dict[str, Any], dtype=ml_dtypes
     if "embed" in params:  # only a head with a table of its own; most share the target's
         weights["embed_tokens.weight"] = np.asarray(params["embed"])
     out = {name: np.ascontiguousarray(value.astype(dtype)) for name, value in weights.items()}
-    ids = np.asarray(params["vocab_ids"], np.int64)
-    out["d2t"] = ids - np.arange(len(ids), dtype=np.int64)
-    t2d = np.zeros(cfg.vocab_size, np.bool_)
-    t2d[ids] = True
-    out["t2d"] = t2d
-    return out
+    return out | draft_vocab_tensors(params["vocab_ids"], cfg.vocab_size)
 
 
 def save_eagle3_head(head: Model, folder: str, dtype=ml_dtypes.bfloat16, training: dict[str, Any] | None = None) -> str:

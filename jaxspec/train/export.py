@@ -122,6 +122,15 @@ def write_drafter_folder(folder: str, tensors: dict[str, np.ndarray], config: di
     return folder
 
 
+def draft_vocab_tensors(ids: np.ndarray, vocab_size: int) -> dict[str, np.ndarray]:
+    """A draft vocabulary's token ids [V'] (ascending) as EAGLE-3 heads store them (convert/rules.py
+    `take_vocab_ids` reads them back): `d2t` int64 [V'] (draft id d is token d + d2t[d]) and `t2d` bool [V]."""
+    ids = np.asarray(ids, np.int64)
+    t2d = np.zeros(vocab_size, np.bool_)
+    t2d[ids] = True
+    return {"d2t": ids - np.arange(len(ids), dtype=np.int64), "t2d": t2d}
+
+
 def _write_json(path: str, data: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=2, sort_keys=True)

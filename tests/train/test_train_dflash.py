@@ -218,6 +218,36 @@ def test_export_is_read_by_zlabs_reference_model(trained, target, corpus):
     np.testing.assert_allclose(got.numpy(), np.asarray(expected), rtol=1e-4, atol=1e-4)
 
 
+def test_a_draft_vocabulary_round_trips_through_the_export(trained, target, corpus, tmp_path):
+    """A drafter given the training answers' most used tokens as its draft vocabulary exports them as `d2t` / `t2d`
+    (EAGLE-3's tensors), loads back with them, and still decodes the target's greedy answers; z-lab's reference reads
+    the same folder and leaves exactly those two tensors unused (it drafts over the whole head)."""
+    from dflash import model as dflash_model
+
+    from jaxspec.train import draft_vocabulary_for, save_dflash_drafter, with_draft_vocab
+
+    result, _ = trained
+    ids = draft_vocabulary_for(corpus, 32, 128)
+    folder = save_dflash_drafter(with_draft_vocab(result.model, ids), str(tmp_path / "vocab"))
+    drafter = jaxspec.load(folder)
+    assert drafter.config.draft_vocab_size == 32
+    np.testing.assert_array_equal(np.asarray(drafter.module.vocab_ids[...]), ids)
+    rows = corpus.take(np.arange(4))
+    prompts = [list(rows.tokens[i, : rows.starts[i]]) for i in range(4)]
+    steps = int(rows.lengths.min() - rows.starts.max())
+    out = jaxspec.generate(target, prompts, max_new_tokens=steps, eos_token_id=[], assistant_model=drafter,
+                           num_assistant_tokens_schedule="constant")
+    for i in range(4):
+        np.testing.assert_array_equal(out.new_tokens(i), rows.tokens[i, rows.starts[i]: rows.starts[i] + steps])
+    assert out.accepted.sum() > 0
+    _, info = dflash_model.DFlashDraftModel.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert sorted(info["unexpected_keys"]) == ["d2t", "t2d"] and not info["missing_keys"]
+    whole = with_draft_vocab(drafter, None)
+    assert whole.config.draft_vocab_size == 0 and not hasattr(whole.module, "vocab_ids")
+    with pytest.raises(ValueError, match="distinct token ids in 0..127, ascending"):
+        with_draft_vocab(result.model, [5, 3])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Bad arguments are named before anything compiles
 
@@ -258,7 +288,8 @@ def test_bad_arguments_are_named(target, corpus, tmp_path):
 
     from jaxspec.cli import train_dflash as cli
 
-    for flags in (["--block-size", "1"], ["--anchors", "300"], ["--target-layers", "1,x"], ["--layers", "0"]):
+    for flags in (["--block-size", "1"], ["--anchors", "300"], ["--target-layers", "1,x"], ["--layers", "0"],
+                  ["--draft-vocab", "-1"]):
         with pytest.raises(SystemExit) as exit_info:
             cli.parse_args(flags)
         assert exit_info.value.code == 2
@@ -281,7 +312,8 @@ def test_train_script_writes_a_drafter_that_decodes(tmp_path):
     args = ["--model", folder, "--layers", "1", "--target-layers", "3,1", "--block-size", "4", "--anchors", "4",
             "--train-prompts", "8", "--heldout-prompts", "4", "--stdlib-windows", "2", "--seq-len", "32",
             "--max-prompt-len", "16", "--gen-batch-size", "8", "--batch-size", "4", "--steps", "6", "--eval-every", "3",
-            "--checkpoint-every", "3", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+            "--checkpoint-every", "3", "--draft-vocab", "64", "--workdir", str(tmp_path / "work"),
+            "--out", str(tmp_path / "out")]
     assert cli.main(args) == 0
     summary = json.loads((tmp_path / "work" / "summary.json").read_text())
     assert summary["steps"] == 6 and set(summary["heldout"]["acceptance"]) == {"1", "2", "3"}
@@ -290,6 +322,7 @@ def test_train_script_writes_a_drafter_that_decodes(tmp_path):
     assert training["train_config"]["drafter"]["target_layer_ids"] == [3, 1]
     target, drafter = jaxspec.load(folder), jaxspec.load(str(tmp_path / "out"))
     assert drafter.config.block_size == 4 and drafter.config.target_layer_ids == (3, 1)
+    assert drafter.config.draft_vocab_size == 64 == training["train_config"]["draft_vocab"]["size"]
     ids = [[5, 6, 7, 8], [9, 10]]
     plain = jaxspec.generate(target, ids, max_new_tokens=8, eos_token_id=[])
     out = jaxspec.generate(target, ids, max_new_tokens=8, eos_token_id=[], assistant_model=drafter)
@@ -299,8 +332,9 @@ def test_train_script_writes_a_drafter_that_decodes(tmp_path):
 
 def test_shipped_drafter_fits_smollm2():
     """The catalogue's SmolLM2 names a shipped DFlash drafter that loads by name (without the target) for
-    SmolLM2-135M's shapes, with the held-out acceptance its training measured (tests/train/test_trainers_shared.py
-    decodes with it)."""
+    SmolLM2-135M's shapes, with the held-out acceptance its training measured and its draft vocabulary
+    (tests/train/test_trainers_shared.py decodes with it)."""
+    import hashlib
     import json
     import os
 
@@ -315,5 +349,13 @@ def test_shipped_drafter_fits_smollm2():
     folder = asset_folder(name)
     assert os.path.getsize(os.path.join(folder, "model.safetensors")) < 40e6
     with open(os.path.join(folder, "training.json"), encoding="utf-8") as handle:
-        heldout = json.load(handle)["heldout"]["acceptance"]
-    assert heldout[str(cfg.block_size - 1)]["tokens_per_round"] > 1.3
+        training = json.load(handle)
+    assert training["heldout"]["acceptance"][str(cfg.block_size - 1)]["tokens_per_round"] > 1.3
+    # Its draft vocabulary: the 8,192 tokens its training answers use most, which the EAGLE-3 head trained on the
+    # same answers also drafts over (the same ids: the same sha256 over int32 ids).
+    ids = np.asarray(drafter.module.vocab_ids[...], np.int32)
+    assert cfg.draft_vocab_size == len(ids) == 8192 and np.all(np.diff(ids) > 0)
+    digest = hashlib.sha256(ids.tobytes()).hexdigest()
+    assert digest == training["train_config"]["draft_vocab"]["sha256"]
+    with open(os.path.join(asset_folder("smollm2-135m-eagle3"), "training.json"), encoding="utf-8") as handle:
+        assert digest == json.load(handle)["train_config"]["head"]["draft_vocab_sha256"]
