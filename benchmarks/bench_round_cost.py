@@ -1,7 +1,7 @@
 """What a decoding round costs inside the compiled loop, by the number of drafts it verifies, against a plain step.
 
     python benchmarks/bench_round_cost.py [--model smollm2-135m] [--drafts 0,1,3,7] [--max-draft 10] [--repeats 4]
-        [--assistant smollm2-135m --assistant-drafts 1,2] [--idle mtp,prompt_lookup,dflash,eagle3
+        [--assistant smollm2-135m --assistant-drafts 1,2 [--whole-vocab]] [--idle mtp,prompt_lookup,dflash,eagle3
         [--without-feature-writes]]
         [--random-config CONFIG.json [--prompt-tokens N]] [--batch B] [--results benchmarks/results]
 
@@ -21,7 +21,9 @@ side in one run.
   whatever d is: the difference is that forward, the schedule's `round_cost`. An EAGLE-3 head (`--assistant
   smollm2-135m-eagle3 --assistant-drafts 1,4 --max-draft 4`) runs its window of K + 1 entries every round and one
   head step per draft after the first: the difference between its d = 1 and d = 4 rounds, beyond the fixed drafts',
-  is three head steps.
+  is three head steps. `--whole-vocab`, for a DFlash drafter with a draft vocabulary (the shipped one has 8,192 of
+  SmolLM2's 49,152 tokens): the same drafter's rounds over the whole head too, side by side, what the vocabulary
+  saves.
 
 `--idle mtp,prompt_lookup,dflash,eagle3`: each strategy's own loop, as bench_batch.py runs it (the MTP layers, DFlash
 drafter and EAGLE-3 head jaxspec ships for SmolLM2) forced to draft nothing, by the same run-time input jaxspec/costs.py
@@ -72,6 +74,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--assistant", default=None, help="a catalogue name or path: also time its drafting rounds")
     p.add_argument("--assistant-drafts", default="1,2")
+    p.add_argument("--whole-vocab", action="store_true",
+                   help="with a DFlash --assistant that has a draft vocabulary: also time it over the whole head")
     p.add_argument("--idle", default="", help="strategies whose loop is timed forced to draft nothing: "
                    + ",".join(IDLE_STRATEGIES))
     p.add_argument("--without-feature-writes", action="store_true",
@@ -83,6 +87,8 @@ def main(argv=None) -> None:
                    help=f"the random prompt's length (default {STORY_TOKENS}, the story's); only with --random-config")
     add_results_argument(p)
     args = p.parse_args(argv)
+    if args.whole_vocab and not args.assistant:
+        p.error("--whole-vocab times a DFlash --assistant over its whole head: name one")
     if args.random_config and (args.assistant or args.idle):
         p.error("--assistant and --idle draft for a trained target: they cannot be combined with --random-config")
     idle = [name for name in args.idle.split(",") if name]
@@ -154,10 +160,18 @@ def main(argv=None) -> None:
         # DFlash drafters and EAGLE-3 heads have no confidence stop to turn off.
         feature_drafter = is_block_drafter(assistant) or is_eagle3_head(assistant)
         no_confidence_stop = {} if feature_drafter else {"assistant_confidence_threshold": 0.0}
-        for d in (int(x) for x in args.assistant_drafts.split(",")):
-            drafters[f"{args.assistant}, {d} draft(s)"] = dict(
-                assistant_model=assistant, num_assistant_tokens=d, num_assistant_tokens_schedule="constant",
-                **no_confidence_stop)
+        assistants = {args.assistant: assistant}
+        if args.whole_vocab:
+            if not hasattr(getattr(assistant, "module", None), "vocab_ids") or not is_block_drafter(assistant):
+                raise SystemExit(f"--whole-vocab: {args.assistant} is not a DFlash drafter with a draft vocabulary")
+            from jaxspec.train import with_draft_vocab
+
+            assistants[f"{args.assistant} over the whole head"] = with_draft_vocab(assistant, None)
+        for label, model_ in assistants.items():
+            for d in (int(x) for x in args.assistant_drafts.split(",")):
+                drafters[f"{label}, {d} draft(s)"] = dict(
+                    assistant_model=model_, num_assistant_tokens=d, num_assistant_tokens_schedule="constant",
+                    **no_confidence_stop)
 
     for name in idle:
         drafters[f"{name}, forced to draft nothing"] = IdleStrategy(name, strategy_arguments(name, model))

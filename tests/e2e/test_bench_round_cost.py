@@ -50,6 +50,14 @@ def test_prompt_tokens_needs_a_random_config():
         bench_round_cost.main(["--prompt-tokens", "40"])
 
 
+def test_whole_vocab_needs_an_assistant(capsys):
+    import bench_round_cost
+
+    with pytest.raises(SystemExit):
+        bench_round_cost.main(["--whole-vocab"])
+    assert "--whole-vocab times a DFlash --assistant over its whole head" in capsys.readouterr().err
+
+
 def test_idle_names_the_strategies_it_takes(capsys):
     import bench_round_cost
 
