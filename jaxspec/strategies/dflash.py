@@ -147,7 +147,8 @@ class BlockDrafter(Drafter):
         batch, drafting = loop.lengths.shape[0], hidden[:, 1:drafts + 1]  # entry j drafts position L + j
         if draft_head is not None:
             # One product over the V' rows [B, n, V'], placed in the vocabulary a position at a time: placed whole,
-            # XLA:CPU laid the [B, n, V] result out vocabulary-major for n > 1, and every read of it strided.
+            # the compiled round laid the [B, n, V] result out vocabulary-major for n > 1 (XLA:CPU), against the
+            # [B, V] rows the processing reads.
             reduced, ids = ctx.assistant.draft_vocab_logits(drafting, draft_head), ctx.assistant.vocab_ids[...]
 
             def position_logits(j):  # -> [B, 1, V], -inf outside the draft vocabulary
