@@ -41,7 +41,7 @@ the committed context and itself. Masks, by query position q and key position k 
 A draft vocabulary (jaxspec's addition to both layouts, as FR-Spec and EAGLE-3 heads reduce theirs): with
 `draft_vocab_size` V' > 0 in config.json and `d2t` in the weights (draft id d is token d + d2t[d]; `t2d`, a [V] mask
 of the same tokens, optional), drafts come from the target's head rows for those V' tokens only, -inf elsewhere
-(`draft_vocab_logits`). The head's share of a draft falls by V / V'; q is zero outside V', which keeps sampling exact
+(`draft_vocab_logits`), so a draft reads V' of the head's V rows. q is zero outside V', which keeps sampling exact
 (the residual returns the target's mass there), and greedy output is plain greedy's whatever the drafts. Neither
 reference reads it: their drafts use the whole head.
 

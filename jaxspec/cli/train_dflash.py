@@ -23,9 +23,8 @@ Steps:
    same command resumes. Held-out greedy block acceptance is replayed every --eval-every steps.
 4. WORKDIR/loss.png, WORKDIR/summary.json, and with --out the drafter folder (config.json, model.safetensors in
    bfloat16, training.json with the held-out acceptance and the recipe), with a draft vocabulary (--draft-vocab):
-   the V' tokens the training answers use most, as for jaxspec-train-eagle3. Training does not use it: drafts are
-   headed over those V' rows of the target's head only, which makes a draft's head V / V' times cheaper
-   (models/dflash.py).
+   the V' tokens the training answers use most, as for jaxspec-train-eagle3. Training does not use it: decoding
+   heads drafts over those V' rows of the target's head only (models/dflash.py).
 
 Before the long work starts, the script times the target and one train step on this machine and prints how long
 the run will take and how much memory the corpus needs.
@@ -159,20 +158,16 @@ def _with_vocabulary(drafter, train_corpus, heldout, size: int):
     """The trained drafter with the draft vocabulary of `size` tokens the training answers use most (none where
     `size` is 0 or covers the vocabulary), and what to record of it: its size, the sha256 of its ids (int32) and the
     share of held-out answer tokens it covers."""
-    import hashlib
-
-    import numpy as np
-
     from jaxspec.train import draft_vocabulary_for, with_draft_vocab
-    from jaxspec.train.eagle3_export import vocabulary_coverage
+    from jaxspec.train.eagle3_export import vocabulary_coverage, vocabulary_digest
 
     vocab_size = drafter.config.vocab_size
     if not size or size >= vocab_size:
         return drafter, None
-    ids = draft_vocabulary_for(train_corpus, size, vocab_size).astype(np.int32)
+    ids = draft_vocabulary_for(train_corpus, size, vocab_size)
     coverage = vocabulary_coverage(heldout, ids, vocab_size)
     print(f"draft vocabulary: {len(ids)} tokens cover {coverage:.3f} of the held-out answer tokens")
-    return with_draft_vocab(drafter, ids), {"size": len(ids), "sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
+    return with_draft_vocab(drafter, ids), {"size": len(ids), "sha256": vocabulary_digest(ids),
                                             "heldout_coverage": round(coverage, 4)}
 
 

@@ -31,6 +31,7 @@ as SpecForge's vocabulary mapping chooses it from its loss-bearing tokens; `d2t`
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -90,6 +91,12 @@ def draft_vocabulary_for(corpus: BlockCorpus, size: int, vocab_size: int) -> np.
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
         raise ValueError(f"the draft vocabulary size must be an integer >= 1, got {size!r}.")
     return draft_vocabulary(answer_token_counts(corpus, vocab_size), min(int(size), vocab_size))
+
+
+def vocabulary_digest(ids: np.ndarray) -> str:
+    """The sha256 of a draft vocabulary's ids as int32 bytes: what training.json records, so two drafters' vocabularies
+    can be compared without their weights."""
+    return hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest()
 
 
 def vocabulary_coverage(corpus: BlockCorpus, draft_ids: np.ndarray, vocab_size: int) -> float:

@@ -16,7 +16,6 @@ every draft count K of 1 .. `eval_drafts` a round may verify.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from typing import Any
 
@@ -28,7 +27,7 @@ from jaxspec.models.eagle3 import Eagle3Head
 
 from .dflash_data import BlockCorpus
 from .dflash_export import with_drafter_state
-from .eagle3_export import check_head_layers
+from .eagle3_export import check_head_layers, vocabulary_digest
 from .eagle3_losses import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, replay_layout
 from .loop import Objective, Schedule, TrainResult, batch_rows, plot_history, rounds_postfix, run
 from .losses import acceptance_summary, simulate_greedy_rounds
@@ -123,7 +122,7 @@ def _settings(cfg: Eagle3TrainConfig, head, corpus: BlockCorpus) -> dict[str, An
         fields.pop(name)
     ids = np.asarray(head.module.vocab_ids[...], np.int32)
     described = {"layer_ids": [int(x) for x in corpus.layer_ids], "hidden_size": head.config.hidden_size,
-                 "draft_vocab_size": len(ids), "draft_vocab_sha256": hashlib.sha256(ids.tobytes()).hexdigest()}
+                 "draft_vocab_size": len(ids), "draft_vocab_sha256": vocabulary_digest(ids)}
     return json.loads(json.dumps(fields | {"head": described, "corpus_rows": len(corpus),
                                            "corpus_tokens": corpus.num_tokens}))
 
