@@ -38,6 +38,8 @@ class CausalLM(Protocol):
     # so that `tree=` on another family is refused by name up front (not a member here: most families lack it).
     # Families with `loops_wide_forwards = True` (Llama) run forwards of two or more positions a row as a loop over
     # `layer_stack`, an attribute the decode loop binds on a CPU (jaxspec/layer_stack.py); without one, unrolled.
+    # Llama's also has `looped_taps`, which runs a forward tapped for a block drafter's features as one such loop
+    # (`jaxspec.strategies.base.run_tapped_layers` asks it first; other families run a segment per tap).
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache,
                  head: jax.Array | None = None, tree: Any = None) -> tuple[jax.Array, jax.Array, Cache]:

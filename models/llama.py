@@ -273,13 +273,33 @@ class LlamaForCausalLM(nnx.Module):
         """Run decoder layers [start, stop) on x: [B, T, D], writing their cache entries at `positions`; for a
         tree-shaped block (`tree`), at its slots, with `positions` the entries' rope positions."""
         stop = self.cfg.num_layers if stop is None else stop
-        windows = {self.cfg.window(index) for index in range(start, stop)}
-        if self.layer_stack is not None and x.shape[1] > 1 and len(windows) == 1:
-            return _looped_layers(self.cfg, self.layer_stack, x, positions, cache, start, stop, windows.pop(), tree)
+        if self._loops(x, start, stop):
+            x, cache, _ = _looped_layers(self.cfg, self.layer_stack, x, positions, cache, start, stop, tree=tree)
+            return x, cache
         for index in range(start, stop):
             p = self.layers[index].params()
             x, cache = _layer_call(self.cfg, p, x, positions, cache, index, window=self.cfg.window(index), tree=tree)
         return x, cache
+
+    def looped_taps(
+        self, x: jax.Array, positions: jax.Array, cache: KVCache, taps: tuple[int, ...], tree: TreeBlock | None = None,
+    ) -> tuple[jax.Array, KVCache, jax.Array] | None:
+        """Every decoder layer on x as one loop that keeps the outputs of the layers in `taps` (ascending) ->
+        (x [B, T, D], cache, taps' outputs concatenated [B, T, F*D]), or None where `run_layers` would unroll.
+
+        `jaxspec.strategies.base.run_tapped_layers` otherwise runs the layers in segments that end at each tap: free
+        unrolled, but looped each segment is a loop of its own, and a feature-reading drafter's verify block of each
+        width compiled F + 1 copies of the layer (docs/design.md, 'Compile time')."""
+        if not self._loops(x, 0, self.cfg.num_layers):
+            return None
+        return _looped_layers(self.cfg, self.layer_stack, x, positions, cache, 0, self.cfg.num_layers, tree=tree,
+                              taps=taps)
+
+    def _loops(self, x: jax.Array, start: int, stop: int) -> bool:
+        """Whether layers [start, stop) on x run as a loop over the bound stack: two or more positions a row, and one
+        attention window for them all (a loop body is one layer)."""
+        windows = {self.cfg.window(index) for index in range(start, stop)}
+        return self.layer_stack is not None and x.shape[1] > 1 and len(windows) == 1
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
         return L.rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
@@ -384,18 +404,33 @@ def _layer_call(cfg: LlamaConfig, p, x, positions, cache: KVCache, index, first:
 
 
 def _looped_layers(cfg: LlamaConfig, stack, x, positions, cache: KVCache, start: int, stop: int,
-                   window: int | None, tree: TreeBlock | None) -> tuple[jax.Array, KVCache]:
-    """Layers [start, stop) as one loop: layer `index` reads its params from `stack` (a
+                   tree: TreeBlock | None, taps: tuple[int, ...] = ()) -> tuple[jax.Array, KVCache, jax.Array | None]:
+    """Layers [start, stop), of one attention window, as one loop: layer `index` reads its params from `stack` (a
     `jaxspec.layer_stack.LayerStack`) at `index`. The whole stack is indexed in the loop, not a [start, stop) slice
-    of it, which would copy those layers' weights in every forward (as models/moe.py `_scan`)."""
+    of it, which would copy those layers' weights in every forward (as models/moe.py `_scan`).
+    -> (x, cache, the outputs of the layers in `taps` (ascending, in [start, stop)) concatenated [B, T, F*D], or None
+    without taps)."""
     inv_freq = cfg.inv_freq()
+    window = cfg.window(start)
+    if list(taps) != sorted(set(taps)) or any(not start <= tap < stop for tap in taps):
+        raise ValueError(f"taps must be distinct ascending layers in [{start}, {stop}); got {taps}")
+    tap_layers = jnp.asarray(taps, jnp.int32)  # [F]
+
+    def keep_tap(index, x, tapped):  # tapped: [F, B, T, D]; slot `slot` takes x where layer `index` is tapped
+        slot = jnp.minimum(jnp.sum(tap_layers < index), len(taps) - 1)
+        kept = jnp.where(tap_layers[slot] == index, x, tapped[slot])
+        return jax.lax.dynamic_update_index_in_dim(tapped, kept, slot, 0)
 
     def layer(index, carry):
-        x, cache = carry
+        x, cache, tapped = carry
         p = stack.layer(index)
-        return _decoder_layer(cfg, p, x, positions, cache, index, inv_freq, window=window, tree=tree)
+        x, cache = _decoder_layer(cfg, p, x, positions, cache, index, inv_freq, window=window, tree=tree)
+        return x, cache, keep_tap(index, x, tapped) if taps else None
 
-    return jax.lax.fori_loop(start, stop, layer, (x, cache))
+    tapped = jnp.zeros((len(taps), *x.shape), x.dtype) if taps else None
+    x, cache, tapped = jax.lax.fori_loop(start, stop, layer, (x, cache, tapped))
+    features = jnp.concatenate(list(tapped), axis=-1) if taps else None
+    return x, cache, features
 
 
 def _decoder_layer(cfg: LlamaConfig, p, x, positions, cache: KVCache, index, inv_freq, first: int = 0,

@@ -183,9 +183,15 @@ def run_tapped_layers(target: CausalLM, x: jax.Array, positions: jax.Array, cach
     -> (last layer's output [B, T, D], cache, the tapped layers' outputs concatenated [B, T, F*D]).
 
     Layer l's output is what transformers returns as `hidden_states[l + 1]` with `output_hidden_states=True`. The
-    segments compute exactly what one run would (run_layers resumes at any layer), so taps cost no extra work."""
-    taps, start = [], 0
+    segments compute exactly what one run would (run_layers resumes at any layer), so taps cost no extra work. A
+    family whose layers run as a loop (`looped_taps`, Llama's) runs one loop that keeps the taps instead: looped,
+    each segment would be a loop of its own to compile."""
     extra = {} if tree is None else {"tree": tree}
+    if hasattr(target, "looped_taps"):
+        looped = target.looped_taps(x, positions, cache, feature_layers, **extra)
+        if looped is not None:
+            return looped
+    taps, start = [], 0
     for layer in feature_layers:
         x, cache = target.run_layers(x, positions, cache, start, layer + 1, **extra)
         taps.append(x)

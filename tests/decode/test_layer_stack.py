@@ -74,6 +74,22 @@ def test_looped_layers_compute_the_unrolled_forward(qwen3, width):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
 
 
+def test_a_looped_forward_keeps_its_taps_in_one_loop(qwen3):
+    """Taps at layers 1 and 3 of 6: looped, one loop over the layers keeps them. Segments that end at each tap would
+    be three loops, and each a copy of the layer to compile, in every verify width of a feature-reading drafter."""
+    stack = stacks.layer_stack(qwen3, None)
+    graphdef, state = nnx.split(qwen3.module)
+
+    def tapped(state, stack, tokens, positions):
+        module = nnx.merge(graphdef, state)
+        module.layer_stack = stack
+        return run_tapped_layers(module, module.embed_tokens(tokens), positions, module.init_cache(2, 32), (1, 3))
+
+    tokens, positions = jnp.zeros((2, 4), jnp.int32), jnp.broadcast_to(jnp.arange(4), (2, 4))
+    lowered = jax.jit(tapped).lower(state, stack, tokens, positions).as_text()
+    assert lowered.count("stablehlo.while") == 1
+
+
 @pytest.mark.parametrize("family, types", [
     ("gemma3_text", ["sliding_attention"] * 2 + ["full_attention"]),  # period 3: a run of two, then one
     ("gemma2", ["sliding_attention", "full_attention"]),  # period 2
