@@ -152,26 +152,38 @@ class BlockDrafter(Drafter):
             reduced, ids = ctx.assistant.draft_vocab_logits(drafting, draft_head), ctx.assistant.vocab_ids[...]
 
             def position_logits(j):  # -> [B, 1, V], -inf outside the draft vocabulary
-                return spread_to_vocab(reduced[:, j:j + 1], ids, ctx.target.cfg.vocab_size)
+                return spread_to_vocab(jax.lax.dynamic_slice_in_dim(reduced, j, 1, axis=1), ids,
+                                       ctx.target.cfg.vocab_size)
         else:
             head = for_rows(ctx.head, batch * drafts)
             logits = ctx.assistant.logits(drafting, I.head_weight(ctx.target) if head is None else head)  # [B, n, V]
 
             def position_logits(j):
-                return logits[:, j:j + 1]
+                return jax.lax.dynamic_slice_in_dim(logits, j, 1, axis=1)
         rows = jnp.arange(batch)
-        tokens, probs, weights, history = [], [], [], loop.tokens
-        for j in range(drafts):  # static and small; each draft's processing sees the drafts before it
+
+        def draw_position(j, carry):  # each draft's processing sees the drafts before it, in `history`
+            tokens, probs, weights, history = carry
             processed = ctx.process(position_logits(j), history, loop.lengths + j, loop.prompt_lengths)[:, 0]
             candidates, laws = draw_candidates(jax.random.fold_in(rng, j), processed, branches, ctx.do_sample,
                                                self.keep_probs, law=draft_distribution)  # [B, F], [B, F, V]
             history = history.at[rows, loop.lengths + j].set(candidates[:, 0], mode="drop")
-            tokens.append(candidates)
-            probs.append(laws)
+            tokens = tokens.at[:, j].set(candidates)
+            if self.keep_probs:
+                probs = probs.at[:, j].set(laws)
             if selects:
-                weights.append(candidate_weights(draft_distribution(processed), candidates[:, 0], branches))
-        return (jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1) if self.keep_probs else None,
-                jnp.stack(weights, axis=1) if selects else None)
+                weights = weights.at[:, j].set(
+                    candidate_weights(draft_distribution(processed), candidates[:, 0], branches))
+            return tokens, probs, weights, history
+
+        # A loop over the positions, not unrolled: the round's draw branches (`drafts_drawn`, 1 + 3 + 7 positions
+        # for a block of 8) then compile one position's processing and draw each (docs/design.md, 'Compile time').
+        vocab = ctx.target.cfg.vocab_size
+        carry = (jnp.zeros((batch, drafts, branches), jnp.int32),
+                 jnp.zeros((batch, drafts, branches, vocab), jnp.float32) if self.keep_probs else None,
+                 jnp.zeros((batch, drafts, branches + 1), jnp.float32) if selects else None, loop.tokens)
+        tokens, probs, weights, _ = jax.lax.fori_loop(0, drafts, draw_position, carry)
+        return tokens, probs, weights
 
     def update(self, ctx: Context, state: BlockState, result: RoundResult) -> BlockState:
         """The committed tokens' features join the pending ring, projected into the context when a round drafts."""

@@ -152,26 +152,20 @@ class Eagle3Drafter(Drafter):
             out, cache = self._entries(ctx, loop, state.features, cache, window)
             rngs = jax.random.split(rng, k)
             token, kept, history = draw(0, out[:, -1], loop.tokens, rngs[0])
-            chain = (cache, out[:, -1:], token, history)
-            candidates = [kept]
-            for step in range(1, k):  # static and small; a step runs only when some row drafts that far
+            drafted = jax.tree.map(lambda buffer, first: buffer.at[:, 0].set(first), nothing_drafted(), kept)
+            steps = jnp.minimum(jnp.max(count), k)  # the head steps some row drafts: the window's, then width-1 ones
 
-                def extend(chain, step=step):
-                    cache, prev, token, history = chain
-                    positions = (newest + step)[:, None]  # [B, 1]
-                    prev, cache = head.step(_embed(ctx, token[:, None]), prev, positions, cache)
-                    token, kept, history = draw(step, prev[:, -1], history, rngs[step])
-                    return (cache, prev, token, history), kept
+            def extend(step, carry):  # draft `step` >= 1 from the one before; one step compiled, not K - 1
+                cache, prev, token, history, drafted = carry
+                positions = (newest + step)[:, None]  # [B, 1]
+                prev, cache = head.step(_embed(ctx, token[:, None]), prev, positions, cache)
+                token, kept, history = draw(step, prev[:, -1], history, rngs[step])
+                drafted = jax.tree.map(lambda buffer, new: buffer.at[:, step].set(new), drafted, kept)
+                return cache, prev, token, history, drafted
 
-                def stop(chain):
-                    return chain, jax.tree.map(lambda x: x[:, 0], nothing_drafted())  # one step's zeros
-
-                chain, kept = inplace.cond(jnp.max(count) > step, extend, stop, chain)
-                candidates.append(kept)
-            steps = jnp.minimum(jnp.max(count), k) - 1  # width-1 head steps run after the window
-            # tokens [B, K, F], probs [B, K, F, V] or None, weights [B, K, F + 1] or None
-            drafted = jax.tree.map(lambda *steps: jnp.stack(steps, axis=1), *candidates)
-            return (chain[0], loop.lengths - 1, forwards + caught_up + 1 + steps), drafted
+            cache, *_, drafted = jax.lax.fori_loop(1, steps, extend, (cache, out[:, -1:], token, history, drafted))
+            # tokens [B, K, F], probs [B, K, F, V] or None, weights [B, K, F + 1] or None; zeros past `steps`
+            return (cache, loop.lengths - 1, forwards + caught_up + steps), drafted
 
         def nothing_drafted():
             probs = jnp.zeros((batch, k, branches, vocab), jnp.float32) if self.keep_probs else None
