@@ -8,8 +8,10 @@ calls taking turns.
 Per strategy, one `generate` call (the chat prompt below in each of `--batch` rows, 16 new tokens) with a fresh
 step-cost file, so that it prices its schedule at that batch; that pricing runs once untimed (it warms what the first
 pricing in a process pays), then `--trials` times per setting, the settings taking turns. A setting `RxC` times each
-configuration in C calls of R rounds (`costs.LOOP_ROUNDS`, `costs.LOOP_RUNS`); `RxM-C`, in M to C calls, stopping after
-M where every configuration's calls agree (`costs.LOOP_MIN_RUNS`, `LOOP_AGREEMENT`). Printed: each price in plain steps
+configuration in C calls (`costs.LOOP_RUNS`); `RxM-C`, in M to C calls, stopping after M where every configuration's
+calls agree (`costs.LOOP_MIN_RUNS`, `LOOP_AGREEMENT`). The first call of each runs R rounds (`costs.LOOP_ROUNDS`), later
+ones as many as last about as long as R rounds at width 1 (`costs.matched_rounds`); a setting ending in `f` (`4x2-3f`)
+runs R rounds in every call, as before 2026-12-07's evening. Printed: each price in plain steps
 (the loop's round at width 1), mean and standard deviation over the trials, and the seconds one pricing took. `dflash`
 and `eagle3` draft with the drafters jaxspec ships for the model (`jaxspec.catalog.shipped_drafter`), `mtp` with its
 attached MTP layers.
@@ -32,9 +34,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--strategies", default="prompt_lookup,dflash,eagle3")
-    p.add_argument("--settings", default="4x3,4x2-3",
-                   help="RxC: C timed calls of R rounds per configuration; RxM-C: M to C calls, stopping after M where "
-                        "the calls agree")
+    p.add_argument("--settings", default="4x2-3f,4x2-3",
+                   help="RxC: C timed calls per configuration, the first of R rounds and the others as long; RxM-C: M "
+                        "to C calls, stopping after M where the calls agree; a trailing f: R rounds in every call")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--batch", type=int, default=1, help="rows in the priced call (prices are per batch size bucket)")
     add_results_argument(p)
@@ -65,27 +67,30 @@ def main(argv=None) -> None:
             cells = [_mean_sd([trial[name] for trial in trials[setting]]) for name in prices + ["seconds"]]
             print(f"| {_label(setting)} | " + " | ".join(cells) + " |")
             rows += [{"strategy": strategy, "rounds": setting[0], "calls": setting[2], "min_calls": setting[1],
-                      "trial": i, **trial}
+                      "matched_durations": setting[3], "trial": i, **trial}
                      for i, trial in enumerate(trials[setting])]
     record.write(rows, [args.model], title=title,
                  settings={"strategies": args.strategies, "settings": args.settings, "trials": args.trials,
                            "batch": args.batch})
 
 
-def _setting(text: str) -> tuple[int, int, int]:
-    """'RxC' -> (R, C, C); 'RxM-C' -> (R, M, C): rounds a call, the fewest and the most calls."""
-    rounds, _, calls = text.partition("x")
+def _setting(text: str) -> tuple[int, int, int, bool]:
+    """'RxC' -> (R, C, C, True); 'RxM-C' -> (R, M, C, True): rounds of a first call, the fewest and the most calls,
+    and whether later calls match the unit's duration (a trailing 'f': False, R rounds in every call)."""
+    matched = not text.endswith("f")
+    rounds, _, calls = text.removesuffix("f").partition("x")
     fewest, _, most = calls.partition("-")
     most = most or fewest
     if not all(n.isdigit() and int(n) > 0 for n in (rounds, fewest, most)) or int(fewest) > int(most):
         raise SystemExit(f"--settings: {text!r} is not ROUNDSxCALLS or ROUNDSxFEWEST-MOST with positive integers "
-                         f"(e.g. 4x3 or 4x2-3)")
-    return int(rounds), int(fewest), int(most)
+                         f"(e.g. 4x3 or 4x2-3), with an optional trailing f (4x2-3f)")
+    return int(rounds), int(fewest), int(most), matched
 
 
-def _label(setting: tuple[int, int, int]) -> str:
-    rounds, fewest, most = setting
-    return f"{rounds} x {fewest}" if fewest == most else f"{rounds} x {fewest}-{most}"
+def _label(setting: tuple[int, int, int, bool]) -> str:
+    rounds, fewest, most, matched = setting
+    calls = f"{rounds} x {fewest}" if fewest == most else f"{rounds} x {fewest}-{most}"
+    return calls + (", matched" if matched else ", fixed")
 
 
 def _drafting(jaxspec, model: str, strategy: str) -> dict:
@@ -106,7 +111,7 @@ def _drafting(jaxspec, model: str, strategy: str) -> dict:
     return drafting | {"num_assistant_tokens_schedule": "adaptive"}
 
 
-def _trials(target, rows, drafting: dict, settings, trials: int) -> dict[tuple[int, int, int], list[dict[str, float]]]:
+def _trials(target, rows, drafting: dict, settings, trials: int) -> dict[tuple, list[dict[str, float]]]:
     """{setting: [{price name: plain steps, "seconds": one pricing}, one per trial]} from the loop of one call of
     `rows` (token id lists)."""
     import jaxspec
@@ -119,10 +124,10 @@ def _trials(target, rows, drafting: dict, settings, trials: int) -> dict[tuple[i
         measured = time_loop(call, prefill, rounds, widths, drafts, prefix)  # untimed: warms the process
         for _ in range(trials):
             for setting in settings:
-                rounds_per_call, fewest, most = setting
+                rounds_per_call, fewest, most, matched = setting
                 start = time.perf_counter()
                 measured = time_loop(call, prefill, rounds, widths, drafts, prefix, rounds_per_run=rounds_per_call,
-                                     runs=most, min_runs=fewest)
+                                     runs=most, min_runs=fewest, match_durations=matched)
                 seconds = time.perf_counter() - start
                 unit = measured[f"{prefix}|verify|1"]
                 prices = {key[len(prefix) + 1:]: ms / unit for key, ms in measured.items()

@@ -60,6 +60,12 @@ LOOP_RUNS = 3
 # call there moves no price, it only lengthens a first run
 LOOP_MIN_RUNS = 2
 LOOP_AGREEMENT = 0.05
+# After the first run, each configuration's calls run as many rounds as last about as long as the unit's call (a
+# round at width 1), and at least LOOP_MIN_ROUNDS: a round that costs three plain steps is timed in calls of 2, not
+# 4. Equal durations give every configuration about the same protection from the machine's jitter, and the
+# expensive configurations (wide blocks, long drafts, large batches) stop dominating a first run
+# (docs/design.md, 'Step costs measured on the machine').
+LOOP_MIN_ROUNDS = 2
 MAX_COST_BATCH = 64  # larger batches are priced with costs measured at this many rows
 
 
@@ -156,7 +162,7 @@ def _drafts_timed(drafter) -> tuple[int, ...]:
 
 def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int, ...], prefix: str = "",
               rounds_per_run: int | None = None, runs: int = LOOP_RUNS,
-              min_runs: int = LOOP_MIN_RUNS) -> dict[str, float]:
+              min_runs: int = LOOP_MIN_RUNS, match_durations: bool = True) -> dict[str, float]:
     """Milliseconds a round of the compiled loop itself, on the call's own prompts and batch.
 
     - `{prefix}|verify|{w}`: rounds that draft nothing and verify a block of w (the loop's `verify_floor`);
@@ -168,9 +174,10 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
     the loop for `rounds_per_run` rounds (default: LOOP_ROUNDS for the backend), and for none: what a call costs besides
     its rounds (dispatching its arguments, reading its counters back) is the second call's time, and is not charged to
     the rounds: on a GPU it is milliseconds, enough to inflate a small model's rounds by a third and make every verify
-    width look nearly free beside them (docs/design.md, 'On a GPU'). Of up to `runs` runs the fastest of each call
-    counts; the configurations take turns, and stop after `min_runs` once every configuration's calls agree within
-    LOOP_AGREEMENT.
+    width look nearly free beside them (docs/design.md, 'On a GPU'). With `match_durations`, runs after the first
+    size each configuration's calls to last about as long as the unit's (`matched_rounds`). Of up to `runs` runs the
+    fastest round of each configuration counts; the configurations take turns, and stop after `min_runs` once every
+    configuration's calls agree within LOOP_AGREEMENT.
 
     The prompts are read once: what a configuration forces is read by the rounds alone (tests/decode/test_costs.py
     checks that the prefilled states are equal), so every call starts from a copy of one prefilled state. Before the
@@ -199,23 +206,35 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
 
     for config in configs:
         one_call(timed[config], 1)
-    timed_runs = {config: (float("inf"), 0, 0.0) for config in configs}
-    slowest = {config: 0.0 for config in configs}  # each configuration's slowest timed call
+    calls = {config: [] for config in configs}  # each configuration's timed calls: (seconds, rounds, drafted)
     call_seconds = float("inf")  # a call that runs no round
+    rounds_a_call = dict.fromkeys(configs, rounds_per_run)
+
+    def seconds_a_round(this) -> float:
+        seconds, ran, _ = this
+        return max(seconds - call_seconds, 0.0) / ran if ran else float("inf")
+
+    def agreeing(config) -> bool:
+        times = [seconds_a_round(this) for this in calls[config]]
+        return max(times) <= (1 + LOOP_AGREEMENT) * min(times)
+
     for run in range(runs):
-        if run >= min_runs and all(slowest[c] <= (1 + LOOP_AGREEMENT) * timed_runs[c][0] for c in configs):
+        if run >= min_runs and all(agreeing(config) for config in configs):
             break
         for config in configs:
-            this = one_call(timed[config], rounds_per_run)
-            timed_runs[config], slowest[config] = min(timed_runs[config], this), max(slowest[config], this[0])
+            calls[config].append(one_call(timed[config], rounds_a_call[config]))
             call_seconds = min(call_seconds, one_call(timed[config], 0)[0])
+        if run == 0 and match_durations:
+            first = {config: seconds_a_round(calls[config][0]) for config in configs}
+            rounds_a_call = matched_rounds(first, unit=configs[0], rounds_per_run=rounds_per_run)
 
     def per_round(config) -> tuple[float, float]:
-        """(milliseconds a round, drafts a round of the longest row)."""
-        seconds, ran, drafted = timed_runs[config]
+        """(milliseconds a round, drafts a round of the longest row) of the configuration's fastest timed call."""
+        fastest = min(calls[config], key=seconds_a_round)
+        _, ran, drafted = fastest
         if not ran:
             return float("inf"), 0.0
-        return max(seconds - call_seconds, 0.0) / ran * 1e3, drafted / ran
+        return seconds_a_round(fastest) * 1e3, drafted / ran
 
     measured = {f"{prefix}|verify|{w}": per_round((0, w))[0] for w in widths}
     if drafts:
@@ -223,6 +242,15 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
         draft_ms, round_ms = fit_drafting(verify, [per_round((d, 1))[::-1] for d in drafts])
         measured[f"{prefix}|draft"], measured[f"{prefix}|round"] = draft_ms, round_ms
     return measured
+
+
+def matched_rounds(seconds_a_round: dict, unit, rounds_per_run: int) -> dict:
+    """{configuration: rounds a timed call} so that each call lasts about as long as one of `rounds_per_run` rounds of
+    the `unit` configuration, from what a round of each took: at least LOOP_MIN_ROUNDS, at most `rounds_per_run`."""
+    target = rounds_per_run * seconds_a_round[unit]
+    return {config: int(np.clip(round(target / seconds) if 0 < seconds < float("inf") else rounds_per_run,
+                                min(LOOP_MIN_ROUNDS, rounds_per_run), rounds_per_run))
+            for config, seconds in seconds_a_round.items()}
 
 
 def timing_inputs(inputs, drafts: int, verify_floor: int):

@@ -125,6 +125,46 @@ def test_a_third_timed_call_runs_only_where_the_first_two_disagree(monkeypatch):
     assert timed_calls(slowdown=0.2) == {1: 3, 2: 3}
 
 
+def test_after_the_first_run_each_configuration_is_timed_in_calls_as_long_as_the_units(monkeypatch):
+    """time_loop's first run times every configuration in calls of `rounds_per_run` rounds; later runs give each as
+    many rounds as last about as long as the unit's call (a round at width 1), at least LOOP_MIN_ROUNDS: a fake
+    loop whose rounds cost 5 ms at width 1, 10 at width 2 and 40 at width 8 is timed in calls of 4, 2 and 2 after
+    the first. Prices are per round, so they are unchanged; with `match_durations=False` every call runs 4."""
+    import types
+
+    def rounds_called(match_durations: bool) -> dict[int, list[int]]:
+        clock, called = [0.0], {1: [], 2: [], 8: []}
+        per_round_s = {1: 0.005, 2: 0.010, 8: 0.040}
+
+        def rounds(target_state, assistant_state, state, width, max_rounds):
+            ran = int(max_rounds)
+            if ran > 1:
+                called[width].append(ran)
+            clock[0] += per_round_s[width] * ran
+            return types.SimpleNamespace(counters=types.SimpleNamespace(rounds=jnp.asarray(ran),
+                                                                        drafted=jnp.zeros((1,), jnp.int32)))
+
+        monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
+        measured = costs.time_loop(*_fake_call(monkeypatch), rounds, (1, 2, 8), (), prefix="p", rounds_per_run=4,
+                                   runs=3, min_runs=3, match_durations=match_durations)
+        assert measured == {"p|verify|1": pytest.approx(5.0), "p|verify|2": pytest.approx(10.0),
+                            "p|verify|8": pytest.approx(40.0)}
+        return called
+
+    assert costs.LOOP_MIN_ROUNDS == 2
+    assert rounds_called(match_durations=True) == {1: [4, 4, 4], 2: [4, 2, 2], 8: [4, 2, 2]}
+    assert rounds_called(match_durations=False) == {1: [4, 4, 4], 2: [4, 4, 4], 8: [4, 4, 4]}
+
+
+def test_matched_rounds_keep_within_their_bounds():
+    """A configuration as fast as the unit keeps `rounds_per_run`; one slower than the unit by any factor keeps
+    LOOP_MIN_ROUNDS; one that ran no round (inf) keeps `rounds_per_run`; a budget below the minimum is the budget."""
+    seconds = {"unit": 0.010, "same": 0.009, "half": 0.021, "slow": 1.0, "none": float("inf")}
+    assert costs.matched_rounds(seconds, unit="unit", rounds_per_run=8) == {
+        "unit": 8, "same": 8, "half": 4, "slow": 2, "none": 8}
+    assert costs.matched_rounds(seconds, unit="unit", rounds_per_run=1) == dict.fromkeys(seconds, 1)
+
+
 def test_prices_are_timed_in_the_compiled_loop_once_per_machine(measuring, pair, monkeypatch):
     """The first measuring call times rounds of its own executables (compiling nothing more), stores milliseconds per
     round, and decodes with the prices they give; a later call reads the file; the output equals plain greedy."""
