@@ -138,12 +138,16 @@ def generate_with_drafter(
                     chunk=prefill_chunk or default_prefill_chunk(), ensemble_weight=ensemble_weight,
                     return_logits=return_logits)
     compile_started = time.perf_counter()
+    # The prefill compiles on a worker thread and runs as soon as it has compiled, while this thread traces and
+    # lowers the round loop, which then compiles on the worker too: on a CPU, XLA's compile of the prefill and the
+    # Python of the rounds' tracing share the cores instead of taking turns. A streamed call hands out its first
+    # tokens before waiting for the rounds.
     prefill = call.compile_prefill()
-    # The prefill runs while the round loop compiles: dispatched first, then the rounds lowered here and compiled
-    # on a worker thread. A streamed call hands out its first tokens before waiting for the rounds.
-    state = prefill(*call.prefill_args)
+    prefilled = prefill.then_call(*call.prefill_args)
     rounds_compiled = call.compile_rounds(prefill)
     lowered = time.perf_counter()
+    state, prefill_dispatched = prefilled()
+    lowered = max(lowered, prefill_dispatched)  # a prefill that compiled past the rounds' lowering: compile time
     state = jax.block_until_ready(state)
     prefill_done = time.perf_counter()
     if control.active:
@@ -153,7 +157,7 @@ def generate_with_drafter(
         """The round loop, and the call with its schedule priced: timed by running these executables once per
         machine (jaxspec/costs.py); the prices are run-time inputs, so nothing compiles again."""
         rounds = rounds_compiled()
-        prices = price_loop(call, prefill, rounds, model, assistant, batch=prompts.size)
+        prices = price_loop(call, prefill(), rounds, model, assistant, batch=prompts.size)
         return (call if prices is None else call.priced(prices)), rounds
 
     rounds_started = time.perf_counter()
@@ -203,20 +207,31 @@ class _Call:
         inputs = dataclasses.replace(self.inputs, prices=jax.tree.map(jnp.asarray, prices))
         return dataclasses.replace(self, spec=spec, inputs=inputs)
 
-    def compile_prefill(self):
-        """The prefill executable, from the compile cache when this spec and these shapes ran before."""
-        return loop.compile_loop(self.spec, "prefill", self.prefill_args)
+    def compile_prefill(self) -> loop.Compiling:
+        """Start compiling the prefill (or find it in the compile cache, when this spec and these shapes ran
+        before)."""
+        return loop.compile_in_background(self.spec, "prefill", self.prefill_args)
 
-    def compile_rounds(self, prefill):
-        """Start compiling the round loop that continues `prefill`'s state; -> a function that waits for it."""
-        rounds_args = (self.target_state, self.assistant_state, prefill.out_info, self.inputs,
+    def compile_rounds(self, prefill: loop.Compiling) -> loop.Compiling:
+        """Start compiling the round loop that continues `prefill`'s state."""
+        rounds_args = (self.target_state, self.assistant_state, self._prefilled_state(prefill), self.inputs,
                        jnp.asarray(0, jnp.int32))
         return loop.compile_in_background(self.spec, "rounds", rounds_args)
+
+    def _prefilled_state(self, prefill: loop.Compiling):
+        """The prefill's output state as abstract arrays on the devices it will be on. On one device that is the
+        device of the call's params, so the round loop lowers before the prefill has compiled; on a mesh the
+        partitioner picks the state's shardings, so they are read from the compiled prefill."""
+        if self.spec.mesh is not None:
+            return prefill().out_info
+        sharding = jax.tree.leaves(self.target_state)[0].sharding
+        return jax.tree.map(lambda info: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+                            prefill.out_info)
 
     def compile(self):
         """(prefill, rounds) executables, waited for."""
         prefill = self.compile_prefill()
-        return prefill, self.compile_rounds(prefill)()
+        return prefill(), self.compile_rounds(prefill)()
 
 
 def _committed(state):

@@ -23,6 +23,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 import jax
@@ -116,7 +117,58 @@ class VerifyResult:
 
 
 MAX_COMPILED = 32  # a long session (a notebook, a test run) should not keep every executable alive
-_compiled: collections.OrderedDict[Any, concurrent.futures.Future] = collections.OrderedDict()
+_compiled: collections.OrderedDict[Any, Compiling] = collections.OrderedDict()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Compiling:
+    """An executable compiling on the worker thread (`compile_in_background`). Calling it waits for the executable;
+    `out_info` is its outputs' shapes and dtypes as lowered, known before XLA has compiled (without the shardings,
+    which come with the executable)."""
+
+    future: concurrent.futures.Future
+    out_info: Any
+    key: Any = None  # its entry in `_compiled`: a failed compile is not kept, so the next call tries again
+
+    @classmethod
+    def done(cls, executable) -> Compiling:
+        """An executable compiled already (benchmarks that compile themselves)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(executable)
+        return cls(future, executable.out_info)
+
+    def __call__(self):
+        try:
+            return self.future.result()
+        except BaseException:
+            if self.key is not None and _compiled.get(self.key) is self:
+                del _compiled[self.key]
+            raise
+
+    def then_call(self, *args) -> Callable[[], tuple[Any, float]]:
+        """Call the executable on `args` as soon as it has compiled, on the thread that compiled it (or here, if it
+        has); -> a function that waits for (its outputs, the time.perf_counter() when it was dispatched). The caller's
+        thread is free meanwhile: `generate` traces and lowers the round loop while the prefill compiles and runs."""
+        called: concurrent.futures.Future = concurrent.futures.Future()
+
+        def call(compiled: concurrent.futures.Future) -> None:
+            try:
+                executable = compiled.result()
+                dispatched = time.perf_counter()
+                called.set_result((executable(*args), dispatched))
+            except BaseException as error:  # handed to the caller that waits for it
+                called.set_exception(error)
+
+        self.future.add_done_callback(call)
+
+        def wait():
+            try:
+                return called.result()
+            except BaseException:
+                self()  # a failed compile: forgotten, as when waited for directly
+                raise
+
+        return wait
 
 
 class _Compiler:
@@ -184,13 +236,8 @@ class _Compiler:
 _COMPILER = _Compiler()
 
 
-def compile_loop(spec: LoopSpec, which: str, args):
-    """AOT-compile once per (spec, executable, argument shapes) so compile time is measured apart from decode time."""
-    return compile_in_background(spec, which, args)()
-
-
-def compile_in_background(spec: LoopSpec, which: str, args) -> Callable[[], Any]:
-    """Start compiling the loop's `which` executable for `args`; -> a function that waits for it and returns it.
+def compile_in_background(spec: LoopSpec, which: str, args) -> Compiling:
+    """Start compiling the loop's `which` executable for `args`; -> a `Compiling`, which waits for it when called.
 
     The executable is traced and lowered here, in the caller's thread, since tracing reads that thread's JAX context
     (default device, matmul precision); XLA's compile, or the persistent cache's load of a compiled executable, then
@@ -204,27 +251,18 @@ def compile_in_background(spec: LoopSpec, which: str, args) -> Callable[[], Any]
             fn = jax.jit(functools.partial(_prefill, spec))
         else:
             fn = jax.jit(functools.partial(_rounds, spec), donate_argnums=(2,))  # the loop state is updated in place
-        _compiled[key] = _COMPILER.submit(fn.lower(*args).compile)
+        lowered = fn.lower(*args)
+        _compiled[key] = Compiling(_COMPILER.submit(lowered.compile), lowered.out_info, key)
         while len(_compiled) > MAX_COMPILED:
             _compiled.popitem(last=False)
     _compiled.move_to_end(key)
-    compiling = _compiled[key]
-
-    def wait():
-        try:
-            return compiling.result()
-        except BaseException:
-            if _compiled.get(key) is compiling:  # a failed compile is not kept: the next call tries again
-                del _compiled[key]
-            raise
-
-    return wait
+    return _compiled[key]
 
 
 def compiled(which: str) -> list:
     """The `which` ("prefill" or "rounds") executables this process keeps, oldest first, once compiled (tests and
     benchmarks read their HLO)."""
-    return [compiling.result() for key, compiling in list(_compiled.items()) if key[1] == which]
+    return [compiling() for key, compiling in list(_compiled.items()) if key[1] == which]
 
 
 def place(x: np.ndarray, mesh: Mesh | None, rules: ShardingRules) -> jax.Array:

@@ -172,6 +172,35 @@ def test_a_call_whose_rows_end_in_the_prefill_waits_for_no_round_loop(llama, gat
     np.testing.assert_array_equal(first.sequences, again.sequences)
 
 
+def test_the_round_loop_lowered_before_the_prefill_compiled_is_the_one_lowered_after(llama):
+    """generate lowers the round loop while the prefill is still compiling, from the prefill's outputs as lowered,
+    placed on the params' device (`_Call._prefilled_state`). Its HLO must be the one lowered from the compiled
+    prefill's outputs, with the shardings and layouts XLA gave them: the same program, the same persistent-cache
+    entry, and none of the prefill's choices lost."""
+    import functools
+
+    from jaxspec.prompts import PromptBatch
+    from jaxspec.settings import SamplingConfig
+    from jaxspec.sharding import ShardingRules
+    from jaxspec.strategies import DraftingConfig, choose_strategy
+
+    generate_module = sys.modules["jaxspec.generate"]
+    choice = choose_strategy(llama, DraftingConfig(prompt_lookup_num_tokens=3), do_sample=False)
+    settings = SamplingConfig(max_new_tokens=8).resolve(llama)
+    prompts = PromptBatch.parse([[5, 6, 7, 8], [9, 10]], None, settings.pad_id, settings.eos_ids)
+    call = generate_module._lay_out(llama, None, prompts, choice.drafter, settings, mesh=None, rules=ShardingRules(),
+                                    chunk=default_prefill_chunk(), ensemble_weight=None, return_logits=False)
+    prefill = call.compile_prefill()
+    rounds = jax.jit(functools.partial(loop._rounds, call.spec), donate_argnums=(2,))
+
+    def rounds_hlo(state) -> str:
+        return rounds.lower(call.target_state, None, state, call.inputs, jax.numpy.asarray(0)).as_text()
+
+    before = call._prefilled_state(prefill)
+    assert all(info.sharding is not None for info in jax.tree.leaves(before))
+    assert rounds_hlo(before) == rounds_hlo(prefill().out_info)
+
+
 def _run_child(code: str, *args: str) -> tuple[subprocess.CompletedProcess, float]:
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=100)
