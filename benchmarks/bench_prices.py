@@ -3,7 +3,7 @@
 calls taking turns.
 
     python benchmarks/bench_prices.py [--model smollm2-135m] [--strategies prompt_lookup,dflash,eagle3]
-        [--settings 8x2,4x3] [--trials 5] [--batch 1] [--results benchmarks/results]
+        [--settings 4x2-3f,4x2-3] [--trials 5] [--batch 1] [--results benchmarks/results]
 
 Per strategy, one `generate` call (the chat prompt below in each of `--batch` rows, 16 new tokens) with a fresh
 step-cost file, so that it prices its schedule at that batch; that pricing runs once untimed (it warms what the first
