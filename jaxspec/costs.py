@@ -180,9 +180,9 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
     configuration's calls agree within LOOP_AGREEMENT.
 
     The prompts are read once: what a configuration forces is read by the rounds alone (tests/decode/test_costs.py
-    checks that the prefilled states are equal), so every call starts from a copy of one prefilled state. Before the
-    timed runs each configuration runs one untimed round: on XLA:CPU a branch's first execution in a process costs
-    more, most for the widest blocks (figures: docs/design.md, 'Step costs measured on the machine')."""
+    checks that the prefilled states are equal), so every call that runs rounds starts from a copy of one prefilled
+    state. Before the timed runs each configuration runs one untimed round: on XLA:CPU a branch's first execution in a
+    process costs more, most for the widest blocks (figures: docs/design.md, 'Step costs measured on the machine')."""
     rounds_per_run = rounds_per_run or LOOP_ROUNDS.get(jax.default_backend(), DEFAULT_LOOP_ROUNDS)
     tokens, prompt_lengths = call.prefill_args[2], call.prefill_args[3]
     room = int(tokens.shape[1]) - int(np.max(np.asarray(prompt_lengths))) - call.spec.drafter.draft_slots - 2
@@ -195,14 +195,15 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
         call.prefill_args[7:]
     prefilled = prefill(*prefill_args)
 
-    def one_call(inputs, max_rounds: int) -> tuple[float, int, float]:
-        """(seconds, rounds run, drafts proposed by the longest row) of one call of the loop from a copy of the
-        prefilled state (the loop takes over the buffers it is given)."""
-        state = jax.block_until_ready(jax.tree.map(jnp.copy, prefilled))
+    def one_call(inputs, max_rounds: int, state=None):
+        """((seconds, rounds run, drafts proposed by the longest row), the state it left) of one call of the loop
+        from `state`, else from a copy of the prefilled state (the loop takes over the buffers it is given)."""
+        if state is None:
+            state = jax.block_until_ready(jax.tree.map(jnp.copy, prefilled))
         start = time.perf_counter()
         state = rounds(call.target_state, call.assistant_state, state, inputs, jnp.asarray(max_rounds, jnp.int32))
         ran = int(state.counters.rounds)  # waits for the rounds
-        return time.perf_counter() - start, ran, float(np.max(np.asarray(state.counters.drafted)))
+        return (time.perf_counter() - start, ran, float(np.max(np.asarray(state.counters.drafted)))), state
 
     for config in configs:
         one_call(timed[config], 1)
@@ -222,8 +223,11 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
         if run >= min_runs and all(agreeing(config) for config in configs):
             break
         for config in configs:
-            calls[config].append(one_call(timed[config], rounds_a_call[config]))
-            call_seconds = min(call_seconds, one_call(timed[config], 0)[0])
+            this, left = one_call(timed[config], rounds_a_call[config])
+            calls[config].append(this)
+            # A call that runs no round reads nothing of its state, so it takes the one just left rather than a copy
+            # of the prefilled state (a copy is tens of milliseconds at batch 8).
+            call_seconds = min(call_seconds, one_call(timed[config], 0, state=left)[0][0])
         if run == 0 and match_durations:
             first = {config: seconds_a_round(calls[config][0]) for config in configs}
             rounds_a_call = matched_rounds(first, unit=configs[0], rounds_per_run=rounds_per_run)

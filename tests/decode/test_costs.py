@@ -152,7 +152,13 @@ def test_after_the_first_run_each_configuration_is_timed_in_calls_as_long_as_the
         return called
 
     assert costs.LOOP_MIN_ROUNDS == 2
+    copies = []
+    real_copy = costs.jnp.copy
+    monkeypatch.setattr(costs.jnp, "copy", lambda x: copies.append(1) or real_copy(x))
     assert rounds_called(match_durations=True) == {1: [4, 4, 4], 2: [4, 2, 2], 8: [4, 2, 2]}
+    # The prefilled state (one array here) is copied for each warm round and each timed call of rounds; a call of
+    # no round takes the state the call before it left.
+    assert len(copies) == 3 + 3 * 3
     assert rounds_called(match_durations=False) == {1: [4, 4, 4], 2: [4, 4, 4], 8: [4, 4, 4]}
 
 
