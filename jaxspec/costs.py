@@ -230,7 +230,8 @@ def time_loop(call, prefill, rounds, widths: tuple[int, ...], drafts: tuple[int,
             call_seconds = min(call_seconds, one_call(timed[config], 0, state=left)[0][0])
         if run == 0 and match_durations:
             first = {config: seconds_a_round(calls[config][0]) for config in configs}
-            rounds_a_call = matched_rounds(first, unit=configs[0], rounds_per_run=rounds_per_run)
+            # the unit: a round that drafts nothing at the narrowest width (1, as price_loop times it)
+            rounds_a_call = matched_rounds(first, unit=(0, widths[0]), rounds_per_run=rounds_per_run)
 
     def per_round(config) -> tuple[float, float]:
         """(milliseconds a round, drafts a round of the longest row) of the configuration's fastest timed call."""
