@@ -15,16 +15,17 @@ Steps:
    (jaxspec/train/prompts.py, as for jaxspec-train-mtp) and to a held-out prompt set that training never sees, with
    the target's outputs at the drafter's tapped layers (--target-layers; default: one per drafter layer, z-lab's
    rule) and its final-normed states, in bfloat16. The script prints the corpus's size before building it.
-2. A fresh drafter of --layers layers of the target's width, its layers copied from the target's last ones, and a
-   mask token: --mask-token-id, else the tokenizer's, else the id the training answers use least.
+2. A fresh drafter of --layers layers of the target's width, its layers copied from the target's last ones, a
+   mask token (--mask-token-id, else the tokenizer's, else the id the training answers use least) and a draft
+   vocabulary (--draft-vocab): the V' tokens the training answers use most, as for jaxspec-train-eagle3. Decoding
+   heads its drafts with those V' rows of the target's head only (models/dflash.py), and training does the same.
 3. AdamW with warmup and cosine decay on the DFlash objective: --anchors blocks per row per step, each anchored at a
    random position of the answer, its entries weighted exp(-(k-1)/gamma) (--loss-decay; default: the paper's for the
-   block size), KL to the target's next-token distribution. Orbax checkpoints in WORKDIR/checkpoints; rerunning the
-   same command resumes. Held-out greedy block acceptance is replayed every --eval-every steps.
+   block size), KL to the target's next-token distribution over the draft vocabulary. Orbax checkpoints in
+   WORKDIR/checkpoints; rerunning the same command resumes. Held-out greedy block acceptance is replayed every
+   --eval-every steps.
 4. WORKDIR/loss.png, WORKDIR/summary.json, and with --out the drafter folder (config.json, model.safetensors in
-   bfloat16, training.json with the held-out acceptance and the recipe), with a draft vocabulary (--draft-vocab):
-   the V' tokens the training answers use most, as for jaxspec-train-eagle3. Training does not use it: decoding
-   heads drafts over those V' rows of the target's head only (models/dflash.py).
+   bfloat16, training.json with the held-out acceptance and the recipe).
 
 Before the long work starts, the script times the target and one train step on this machine and prints how long
 the run will take and how much memory the corpus needs.
@@ -59,8 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "answers use least)")
     p.add_argument("--anchors", type=int, default=32, help="blocks per row per train step")
     p.add_argument("--draft-vocab", type=int, default=8192,
-                   help="V': the written drafter drafts over the V' tokens the training answers use most (0, or at "
-                        "least the vocabulary's size: over every token)")
+                   help="V': the drafter trains and drafts over the V' tokens the training answers use most (0, or "
+                        "at least the vocabulary's size: over every token)")
     p.add_argument("--loss-decay", type=float, default=None,
                    help="gamma of the block-entry weights exp(-(k-1)/gamma) (default: 7 for W=16, 5 for 10, 4 for 8)")
     # No stdlib windows by default: past its first entry, a block's targets are conditioned on tokens the target
@@ -129,6 +130,7 @@ def main(argv=None) -> int:
     drafter = new_dflash_drafter(model, args.layers, args.block_size, target_layer_ids=layer_ids, mask_token_id=mask)
     mask = drafter.config.mask_token_id
     print(f"mask token: {mask} ({model.tokenizer.convert_ids_to_tokens(mask)!r})")
+    drafter, vocabulary = _with_vocabulary(drafter, train_corpus, heldout, args.draft_vocab)
     cfg = DFlashTrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_row=args.anchors,
                             loss_decay=args.loss_decay, eval_every=args.eval_every,
                             checkpoint_every=args.checkpoint_every, seed=args.seed,
@@ -147,17 +149,16 @@ def main(argv=None) -> int:
     if args.out:
         from jaxspec.train import save_dflash_drafter
 
-        drafter, vocabulary = _with_vocabulary(result.model, train_corpus, heldout, args.draft_vocab)
         training = {"base": args.model, "heldout": final, "recipe": recipe | {"model": args.model},
                     "train_config": result.history["settings"] | {"draft_vocab": vocabulary}}
-        print(f"wrote {save_dflash_drafter(drafter, args.out, training=training)}")
+        print(f"wrote {save_dflash_drafter(result.model, args.out, training=training)}")
     return 0
 
 
 def _with_vocabulary(drafter, train_corpus, heldout, size: int):
-    """The trained drafter with the draft vocabulary of `size` tokens the training answers use most (none where
-    `size` is 0 or covers the vocabulary), and what to record of it: its size, the sha256 of its ids (int32) and the
-    share of held-out answer tokens it covers."""
+    """The drafter with the draft vocabulary of `size` tokens the training answers use most (none where `size` is 0
+    or covers the vocabulary), which it trains and drafts over, and what to record of it: its size, the sha256 of its
+    ids (int32) and the share of held-out answer tokens it covers."""
     from jaxspec.train import draft_vocabulary_for, with_draft_vocab
     from jaxspec.train.eagle3_export import vocabulary_coverage, vocabulary_digest
 
@@ -179,19 +180,23 @@ def _calibrate(model, probe, args, need_data: bool) -> dict[str, float]:
     import numpy as np
     from flax import nnx
 
+    from jaxspec.train import with_draft_vocab
     from jaxspec.train.dflash_loop import EVAL_BLOCKS, EVAL_ROWS
     from jaxspec.train.dflash_losses import default_loss_decay, sample_anchors
     from jaxspec.train.loop import committed
     from jaxspec.train.step import (OptimConfig, make_block_drafts, make_block_eval_loss, make_block_train_step,
-                                    make_optimizer)
+                                    make_optimizer, split_drafter)
 
     rng = np.random.default_rng(0)
     layer_ids = probe.config.target_layer_ids
     b, t, d, vocab = args.batch_size, args.seq_len, model.config.hidden_size, model.config.vocab_size
     tokens = rng.integers(0, vocab, (b, t)).astype(np.int32)
     rates = tapped_data_rates(model, args, layer_ids, tokens) if need_data else {}
-    graphdef, trainable = nnx.split(probe.module)
-    target_graphdef, frozen = nnx.split(model.module)
+    if 0 < args.draft_vocab < vocab:  # a step heads its blocks with V' of the head's rows, as the run's will
+        probe = with_draft_vocab(probe, np.arange(args.draft_vocab))
+    graphdef, trainable, drafter_frozen = split_drafter(probe.module)
+    target_graphdef, target_state = nnx.split(model.module)
+    frozen = (drafter_frozen, target_state)
     decay = args.loss_decay or default_loss_decay(args.block_size)
     optim = OptimConfig()
     trainable, opt_state, frozen = committed(trainable, make_optimizer(optim).init(trainable), frozen)

@@ -158,8 +158,9 @@ def with_drafter_state(drafter: Model, state) -> Model:
 
 def with_draft_vocab(drafter: Model, ids: Sequence[int] | None) -> Model:
     """A copy of `drafter` whose drafts come from the target's head over token ids `ids` only (distinct, ascending,
-    inside the drafter's vocabulary: `draft_vocabulary_for`), or over every token with None. The weights are shared;
-    the draft vocabulary is not trained (models/dflash.py, module docstring)."""
+    inside the drafter's vocabulary: `draft_vocabulary_for`), or over every token with None. The weights are shared.
+    The ids are not trained; a drafter given them before `train_dflash` is trained to draft over them
+    (models/dflash.py and dflash_losses, module docstrings)."""
     vocab = drafter.config.vocab_size  # None for transformers' layout, whose config does not say
     hf_config = {key: value for key, value in drafter.hf_config.items() if key != "draft_vocab_size"}
     params = {key: value for key, value in nnx.to_pure_dict(nnx.state(drafter.module)).items() if key != "vocab_ids"}

@@ -22,9 +22,11 @@ from flax import nnx
 from .dflash_data import BlockCorpus, anchor_bounds
 from .dflash_export import with_drafter_state
 from .dflash_losses import default_loss_decay, replay_layout, sample_anchors
+from .eagle3_export import vocabulary_digest
 from .loop import Objective, Schedule, TrainResult, batch_rows, plot_history, rounds_postfix, run
 from .losses import acceptance_summary, simulate_greedy_rounds
-from .step import OptimConfig, make_block_drafts, make_block_eval_loss, make_block_train_step, make_optimizer
+from .step import (OptimConfig, make_block_drafts, make_block_eval_loss, make_block_train_step, make_optimizer,
+                   split_drafter)
 
 ANCHOR_STREAM, HELDOUT_STREAM = 1, 2  # seeds of the training anchors and the held-out loss's fixed anchors
 EVAL_ROWS = 8  # held-out rows per evaluation call
@@ -52,13 +54,15 @@ class DFlashTrainConfig:
 def train_dflash(drafter, target, corpus: BlockCorpus, heldout: BlockCorpus | None, cfg: DFlashTrainConfig,
                  workdir: str, progress: bool = True, stop_at: int | None = None) -> TrainResult:
     """Train the DFlash `drafter` (a `jaxspec.Model`, e.g. `new_dflash_drafter(target, ...)`) to draft for the frozen
-    `target` on `corpus`, checkpointing into `workdir/checkpoints` and resuming from its latest checkpoint;
-    held-out acceptance is replayed on `heldout` (None: no evaluation). `stop_at` ends the run early at that step
-    (resume later with the same settings). Every argument is checked before anything compiles."""
+    `target` on `corpus`, over its draft vocabulary where it has one (`with_draft_vocab`: p and q renormalised over
+    it, as decoding drafts; dflash_losses), checkpointing into `workdir/checkpoints` and resuming from its latest
+    checkpoint; held-out acceptance is replayed on `heldout` (None: no evaluation). `stop_at` ends the run early at
+    that step (resume later with the same settings). Every argument is checked before anything compiles."""
     check_training(drafter, target, corpus, heldout, cfg)
     cfg = cfg.resolved(drafter.config.block_size)
-    graphdef, trainable = nnx.split(drafter.module)
-    target_graphdef, frozen = nnx.split(target.module)
+    graphdef, trainable, drafter_frozen = split_drafter(drafter.module)
+    target_graphdef, target_state = nnx.split(target.module)
+    frozen = (drafter_frozen, target_state)
     step_fn = make_block_train_step(graphdef, target_graphdef, cfg.optim, cfg.loss_decay)
     seq_len = corpus.tokens.shape[1]
 
@@ -73,7 +77,7 @@ def train_dflash(drafter, target, corpus: BlockCorpus, heldout: BlockCorpus | No
                           postfix=rounds_postfix)
     schedule = Schedule(cfg.steps, cfg.eval_every, cfg.checkpoint_every, cfg.keep_checkpoints)
     trainable, history = run(objective, trainable, frozen, make_optimizer(cfg.optim), schedule,
-                             _settings(cfg, drafter.config, corpus), workdir, progress, stop_at)
+                             _settings(cfg, drafter, corpus), workdir, progress, stop_at)
     return TrainResult(model=with_drafter_state(drafter, trainable), history=history)
 
 
@@ -117,13 +121,17 @@ def _check_corpus(name: str, corpus: BlockCorpus, drafter_cfg, anchors_per_row: 
                          "tokens can anchor a block at.")
 
 
-def _settings(cfg: DFlashTrainConfig, drafter_cfg, corpus: BlockCorpus) -> dict[str, Any]:
+def _settings(cfg: DFlashTrainConfig, drafter_model, corpus: BlockCorpus) -> dict[str, Any]:
     """What a resumed run must share with the run it continues (JSON-comparable)."""
     fields = dataclasses.asdict(cfg)
     for name in ("eval_every", "checkpoint_every", "keep_checkpoints"):  # free to change between sessions
         fields.pop(name)
+    drafter_cfg = drafter_model.config
     drafter = {"num_layers": drafter_cfg.num_layers, "block_size": drafter_cfg.block_size,
-               "mask_token_id": drafter_cfg.mask_token_id, "target_layer_ids": list(drafter_cfg.target_layer_ids)}
+               "mask_token_id": drafter_cfg.mask_token_id, "target_layer_ids": list(drafter_cfg.target_layer_ids),
+               "draft_vocab_size": drafter_cfg.draft_vocab_size}
+    if drafter_cfg.draft_vocab_size:  # another vocabulary is another objective
+        drafter["draft_vocab_sha256"] = vocabulary_digest(np.asarray(drafter_model.module.vocab_ids[...]))
     return json.loads(json.dumps(fields | {"drafter": drafter, "corpus_rows": len(corpus),
                                            "corpus_tokens": corpus.num_tokens}))
 

@@ -22,6 +22,13 @@ is the row's next token, so greedy drafting gets the same signal, and p also car
 sampling compares q against (a draft is accepted with probability sum min(p, q)) and is defined on text windows,
 whose tokens are not the target's. Its price is one more head product over the blocks, forward only.
 
+With a draft vocabulary (the drafter's `vocab_ids`, V' of the target's V tokens: decoding heads its drafts with
+those V' rows of the target's head only, models/dflash.py), q is that V'-way distribution, and p the target's
+restricted to V' and renormalised, as SpecForge trains EAGLE-3 heads (`eagle3_losses`); an entry whose row token is
+outside V' is left out (no draft can be accepted there, and the renormalised p says nothing about it). Training then
+computes the [V', D] head product decoding computes, not the whole head's: on SmolLM2-135M (V = 49,152, V' = 8,192)
+the head was more than half of a step.
+
 Entries are weighted w_k = exp(-(k-1)/gamma) (the paper's Eq. 4): draft k counts only when every earlier one was
 accepted, so early entries matter more. gamma defaults to the paper's values, 7 for W = 16, 5 for 10, 4 for 8
 (`default_loss_decay`). The loss is the w-weighted mean of KL over every (anchor, entry) whose target token is in
@@ -84,6 +91,16 @@ def block_hidden(drafter, target, tokens: jax.Array, features: jax.Array, anchor
     return jax.vmap(one_round, in_axes=1, out_axes=1)(embedded, block_positions, anchors)
 
 
+def draft_columns(drafter, target) -> tuple[jax.Array, jax.Array | None]:
+    """The target head's columns a draft is headed with, [D, V'], and their token ids [V'] (the drafter's draft
+    vocabulary); the whole head [D, V] and None for a drafter without one."""
+    head = target.head_matrix()
+    if not drafter.cfg.draft_vocab_size:
+        return head, None
+    ids = drafter.vocab_ids[...]
+    return head[:, ids], ids
+
+
 def block_loss(drafter, target, tokens: jax.Array, lengths: jax.Array, features: jax.Array, hidden: jax.Array,
                anchors: jax.Array, valid: jax.Array, loss_decay: float):
     """The w-weighted mean KL(p || q) over the blocks' entries (module docstring) -> (loss, metrics).
@@ -91,17 +108,21 @@ def block_loss(drafter, target, tokens: jax.Array, lengths: jax.Array, features:
     tokens: [B, T]; lengths: [B]; features: [B, T, n*D]; hidden: [B, T, D] the target's final-normed states;
     anchors, valid: [B, A] (`sample_anchors`). metrics: loss, the sum of the weights (`weight`, to pool batches),
     and per block entry k the mean KL (`position_loss`, [W-1]) and how often q's argmax is p's (`position_top1`,
-    [W-1]), each over the entries with a target."""
+    [W-1]), each over the entries that count. With a draft vocabulary, p and q are over it (module docstring)."""
     w = drafter.cfg.block_size
-    head = target.head_matrix()
+    columns, ids = draft_columns(drafter, target)  # [D, V'], [V'] (V' = V and None without a draft vocabulary)
     states = block_hidden(drafter, target, tokens, features, anchors)  # [B, A, W, D]
-    log_q = jax.nn.log_softmax(drafter.logits(states[:, :, 1:], head), axis=-1)  # [B, A, W-1, V]
+    log_q = jax.nn.log_softmax(drafter.logits(states[:, :, 1:], columns), axis=-1)  # [B, A, W-1, V']
     predicted = anchors[..., None] + jnp.arange(1, w)  # [B, A, W-1]: the position each entry drafts
     source = jnp.minimum(predicted - 1, tokens.shape[1] - 1)  # p of the token at i comes from the state at i-1
     rows = jnp.arange(tokens.shape[0])[:, None, None]
-    log_p = jax.nn.log_softmax(target.logits(hidden[rows, source].astype(jnp.float32)), axis=-1)  # [B, A, W-1, V]
+    log_p = jax.nn.log_softmax(target.logits(hidden[rows, source].astype(jnp.float32), columns), axis=-1)
     kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # [B, A, W-1]
-    mask = (valid[..., None] & (predicted < lengths[:, None, None])).astype(jnp.float32)  # the target is in the row
+    counts = valid[..., None] & (predicted < lengths[:, None, None])  # the target is in the row
+    if ids is not None:  # ... and in the draft vocabulary
+        in_vocab = jnp.zeros(target.cfg.vocab_size, bool).at[ids].set(True)
+        counts &= in_vocab[tokens[rows, jnp.minimum(predicted, tokens.shape[1] - 1)]]
+    mask = counts.astype(jnp.float32)
     weights = mask * position_weights(w, loss_decay)
     loss = jnp.sum(weights * kl) / jnp.maximum(jnp.sum(weights), 1e-9)
     count = jnp.maximum(jnp.sum(mask, axis=(0, 1)), 1.0)  # [W-1]
@@ -112,10 +133,12 @@ def block_loss(drafter, target, tokens: jax.Array, lengths: jax.Array, features:
 
 def block_drafts(drafter, target, tokens: jax.Array, features: jax.Array, anchors: jax.Array) -> jax.Array:
     """The greedy drafts of the blocks anchored at `anchors` [B, A]: [B, A, W-1] int32, entry k-1 drafting the
-    token at anchor + k (the argmax of the drafter's logits through the target's head, as greedy decoding takes
-    it)."""
+    token at anchor + k (the argmax of the drafter's logits through the target's head, over its draft vocabulary
+    where it has one, as greedy decoding takes it; the ids are ascending, so a tie goes to the smaller id in both)."""
+    columns, ids = draft_columns(drafter, target)
     states = block_hidden(drafter, target, tokens, features, anchors)
-    return jnp.argmax(drafter.logits(states[:, :, 1:], target.head_matrix()), axis=-1).astype(jnp.int32)
+    best = jnp.argmax(drafter.logits(states[:, :, 1:], columns), axis=-1)
+    return (best if ids is None else ids[best]).astype(jnp.int32)
 
 
 def replay_layout(drafts: np.ndarray) -> np.ndarray:

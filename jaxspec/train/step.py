@@ -2,10 +2,10 @@
 
 MTP layers: the module splits into (graphdef, trainable, frozen): trainable are the `nnx.Param`s whose top-level
 attribute starts with "mtp" (`mtp_layers` in Llama models, the stacked `mtp_*` arrays of DeepSeek-V3 / GLM-4.5),
-frozen is everything else (the target, the draft vocabulary). A DFlash drafter is a module of its own: all of it
-trains, and the frozen state is the target's (its embedding and head are what the drafter reads). An EAGLE-3 head
-trains its `nnx.Param`s but an embedding table of its own (SpecForge freezes that too); its draft vocabulary and the
-target are frozen. A step takes the frozen state as an argument that is never donated, and donates the trainable
+frozen is everything else (the target, the draft vocabulary). A DFlash drafter is a module of its own: its
+`nnx.Param`s train, and its draft vocabulary and the target (whose embedding and head the drafter reads) are frozen.
+An EAGLE-3 head trains its `nnx.Param`s but an embedding table of its own (SpecForge freezes that too); its draft
+vocabulary and the target are frozen. A step takes the frozen state as an argument that is never donated, and donates the trainable
 params and the optimizer state, which it replaces.
 """
 
@@ -114,22 +114,29 @@ def make_draft_tokens(graphdef, depths: int):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# DFlash drafters: every parameter of the drafter trains; the target (its embedding and head) is the frozen state.
+# DFlash drafters: the drafter's parameters train; its draft vocabulary and the target (its embedding and head) are
+# the frozen state, as the pair (drafter's frozen state, target's state).
+
+
+def split_drafter(module: nnx.Module):
+    """-> (graphdef, trainable state: every `nnx.Param`, the drafter's frozen state: its draft vocabulary, if any)."""
+    return nnx.split(module, nnx.Param, ...)
 
 
 @functools.lru_cache(maxsize=8)
 def make_block_train_step(graphdef, target_graphdef, optim: OptimConfig, loss_decay: float):
     """`step(trainable, opt_state, frozen, tokens, lengths, features, hidden, anchors, valid) -> (trainable,
-    opt_state, metrics)`, jitted: `trainable` is the drafter's state, `frozen` the target's (see
-    `dflash_losses.block_loss` for the rest)."""
+    opt_state, metrics)`, jitted: `trainable` is the drafter's parameters, `frozen` the pair (the drafter's frozen
+    state, the target's state) (see `dflash_losses.block_loss` for the rest)."""
     optimizer = make_optimizer(optim)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(trainable, opt_state, frozen, tokens, lengths, features, hidden, anchors, valid):
-        target = nnx.merge(target_graphdef, frozen)
+        drafter_frozen, target_state = frozen
+        target = nnx.merge(target_graphdef, target_state)
 
         def loss_fn(trainable):
-            drafter = nnx.merge(graphdef, trainable)
+            drafter = nnx.merge(graphdef, trainable, drafter_frozen)
             return block_loss(drafter, target, tokens, lengths, features, hidden, anchors, valid, loss_decay)
 
         return descend(optimizer, loss_fn, trainable, opt_state)
@@ -142,7 +149,7 @@ def make_block_eval_loss(graphdef, target_graphdef, loss_decay: float):
     """`loss(trainable, frozen, tokens, lengths, features, hidden, anchors, valid) -> metrics`, jitted."""
     @jax.jit
     def evaluate(trainable, frozen, tokens, lengths, features, hidden, anchors, valid):
-        drafter, target = nnx.merge(graphdef, trainable), nnx.merge(target_graphdef, frozen)
+        drafter, target = nnx.merge(graphdef, trainable, frozen[0]), nnx.merge(target_graphdef, frozen[1])
         return block_loss(drafter, target, tokens, lengths, features, hidden, anchors, valid, loss_decay)[1]
 
     return evaluate
@@ -153,7 +160,7 @@ def make_block_drafts(graphdef, target_graphdef):
     """`drafts(trainable, frozen, tokens, features, anchors) -> [B, A, W-1]` greedy block drafts, jitted."""
     @jax.jit
     def drafts(trainable, frozen, tokens, features, anchors):
-        drafter, target = nnx.merge(graphdef, trainable), nnx.merge(target_graphdef, frozen)
+        drafter, target = nnx.merge(graphdef, trainable, frozen[0]), nnx.merge(target_graphdef, frozen[1])
         return block_drafts(drafter, target, tokens, features, anchors)
 
     return drafts

@@ -123,6 +123,90 @@ def test_loss_at_an_anchor_is_the_decoding_rounds_weighted_kl(target, corpus):
     np.testing.assert_allclose(float(pooled), pooled_expected, rtol=1e-4)
 
 
+def test_loss_over_a_draft_vocabulary_is_the_renormalised_kl_on_its_tokens(target, corpus):
+    """With a draft vocabulary V', block_loss is the weighted KL between the target's and the drafter's distributions
+    restricted to V' and renormalised (decoding's q is zero outside V'), over the entries whose row token is in V';
+    with every token in V' it is the loss without one. The drafts are V' ids, the argmax over V' that decoding takes."""
+    from jaxspec.train import with_draft_vocab
+
+    model = new_dflash_drafter(target, 1, BLOCK, target_layer_ids=LAYERS, mask_token_id=MASK)
+    model = dataclasses.replace(model, module=perturbed(model))
+    ids = np.sort(np.random.default_rng(3).choice(128, 48, replace=False))
+    tokens, lengths = jnp.asarray(corpus.tokens[:2]), jnp.asarray(corpus.lengths[:2])
+    anchors = jnp.asarray(np.stack([corpus.starts[:2], corpus.starts[:2] + 2], axis=1))  # [2, 2]
+    valid = jnp.ones((2, 2), bool)
+
+    @jax.jit
+    def run(module, features, hidden):
+        loss, metrics = block_loss(module, target.module, tokens, lengths, features, hidden, anchors, valid, DECAY)
+        states = block_hidden(module, target.module, tokens, features, anchors)
+        return loss, metrics["weight"], states, block_drafts(module, target.module, tokens, features, anchors)
+
+    features, hidden = (jnp.asarray(x[:2]) for x in (corpus.features, corpus.hidden))
+    whole = run(model.module, features, hidden)
+    every = run(with_draft_vocab(model, np.arange(128)).module, features, hidden)
+    np.testing.assert_allclose(float(every[0]), float(whole[0]), rtol=1e-5)
+    np.testing.assert_array_equal(every[3], whole[3])
+    loss, weight, states, drafts = run(with_draft_vocab(model, ids).module, features, hidden)
+
+    # The reference, in numpy from the whole head's logits.
+    head = np.asarray(target.module.head_matrix())
+    log_q = jax.nn.log_softmax((np.asarray(states[:, :, 1:]) @ head)[..., ids], axis=-1)  # [2, 2, W-1, V']
+    predicted = np.asarray(anchors)[..., None] + np.arange(1, BLOCK)  # [2, 2, W-1]
+    source = np.asarray(hidden, np.float32)[np.arange(2)[:, None, None], predicted - 1]
+    log_p = jax.nn.log_softmax((source @ head)[..., ids], axis=-1)
+    kl = np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
+    row_tokens = np.asarray(tokens)[np.arange(2)[:, None, None], np.minimum(predicted, SEQ - 1)]
+    counts = (predicted < np.asarray(lengths)[:, None, None]) & np.isin(row_tokens, ids)
+    assert 0 < counts.sum() < (predicted < np.asarray(lengths)[:, None, None]).sum()  # V' leaves some entries out
+    weights = counts * np.asarray(position_weights(BLOCK, DECAY))
+    np.testing.assert_allclose(float(weight), weights.sum(), rtol=1e-6)
+    np.testing.assert_allclose(float(loss), np.sum(weights * kl) / weights.sum(), rtol=1e-4)
+    np.testing.assert_array_equal(drafts, ids[np.argmax(log_q, axis=-1)])
+
+
+def test_a_drafter_trained_over_a_draft_vocabulary_decodes_as_its_replay_predicts(target, corpus, tmp_path):
+    """Training over a draft vocabulary keeps it frozen and records it (a resumed run with another vocabulary is
+    refused); decoding with the trained drafter gives the target's greedy answers, with the accepted and drafted
+    counts the trainer's replay over V' predicts."""
+    from jaxspec.train import draft_vocabulary_for, with_draft_vocab
+
+    ids = draft_vocabulary_for(corpus, 48, 128)
+    drafter = with_draft_vocab(new_dflash_drafter(target, 1, BLOCK, target_layer_ids=LAYERS, mask_token_id=MASK),
+                               ids)
+    cfg = DFlashTrainConfig(steps=40, batch_size=4, anchors_per_row=8, loss_decay=DECAY, eval_every=40,
+                            optim=OptimConfig(learning_rate=1e-2, warmup_steps=3))
+    result = train_dflash(drafter, target, corpus, corpus, cfg, str(tmp_path / "run"), progress=False)
+    np.testing.assert_array_equal(np.asarray(result.model.module.vocab_ids[...]), ids)
+    assert result.history["settings"]["drafter"]["draft_vocab_size"] == 48
+    first, last = np.mean(result.history["loss"][:3]), np.mean(result.history["loss"][-5:])
+    assert last < 0.7 * first, (first, last)
+
+    rows = corpus.take(np.arange(4))
+    prompts = [list(rows.tokens[i, : rows.starts[i]]) for i in range(4)]
+    steps = int(rows.lengths.min() - rows.starts.max())
+    out = jaxspec.generate(target, prompts, max_new_tokens=steps, eos_token_id=[], assistant_model=result.model,
+                           num_assistant_tokens_schedule="constant")
+    for i in range(4):
+        np.testing.assert_array_equal(out.new_tokens(i), rows.tokens[i, rows.starts[i]: rows.starts[i] + steps])
+
+    @jax.jit
+    def every_anchors_drafts(tokens):
+        features, _ = dflash_data.target_taps(target.module, tokens, LAYERS)
+        anchors = jnp.broadcast_to(jnp.arange(SEQ), (4, SEQ))
+        return block_drafts(result.model.module, target.module, tokens, features, anchors)
+
+    drafts = np.asarray(every_anchors_drafts(jnp.asarray(rows.tokens)))
+    assert np.isin(drafts, ids).all()
+    replay = simulate_greedy_rounds(replay_layout(drafts), rows.tokens, rows.starts, rows.starts + steps, BLOCK - 1)
+    assert (int(out.accepted.sum()), int(out.drafted.sum())) == (replay["accepted"], replay["drafted"])
+    assert replay["accepted"] > 0.1 * replay["drafted"]
+
+    other = with_draft_vocab(drafter, draft_vocabulary_for(corpus, 40, 128))
+    with pytest.raises(ValueError, match="other settings"):
+        train_dflash(other, target, corpus, None, cfg, str(tmp_path / "run"), progress=False)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Training
 
