@@ -4,9 +4,9 @@ adaptive schedule's cost model priced those rounds at.
     python benchmarks/bench_rounds.py [--model smollm2-135m] [--strategy mtp] [--max-new-tokens 64] [--passes 3]
         [--prompts code_editing,...] [--assistant qwen2.5-coder-0.5b]
 
-Strategies: mtp (the shipped layers), eagle3 and dflash (the shipped drafters), prompt_lookup (K = 10), speculative
-(the `--assistant` model, K = 4). Every prompt of benchmarks/_bench_prompts.py (or those named), batch 1, greedy, as a
-chat message; each pass runs plain decoding and the strategy back to back. Columns:
+Strategies: mtp (the shipped layers), eagle3 and dflash (the shipped drafters, or the `--assistant` drafter),
+prompt_lookup (K = 10), speculative (the `--assistant` model, K = 4). Every prompt of benchmarks/_bench_prompts.py (or
+those named), batch 1, greedy, as a chat message; each pass runs plain decoding and the strategy back to back. Columns:
 
 - speedup: the median over passes of plain decoding's call time over the strategy's (prefill included);
 - modelled: the speedup the cost model expected for the rounds the strategy ran (`GenerateOutput.modelled_speedup`);
@@ -43,7 +43,8 @@ def main(argv=None) -> None:
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--prompts", default=",".join(PROMPTS), help=", ".join(PROMPTS))
     p.add_argument("--assistant", default=None,
-                   help="the assistant of --strategy speculative (a catalogue name or a path)")
+                   help="the assistant of --strategy speculative, or a drafter of --strategy dflash / eagle3 other "
+                        "than the shipped one (a catalogue name or a path)")
     add_results_argument(p)
     args = p.parse_args(argv)
     if args.passes < 1 or args.max_new_tokens < 2:
@@ -51,8 +52,10 @@ def main(argv=None) -> None:
     prompts = args.prompts.split(",")
     if unknown := [name for name in prompts if name not in PROMPTS]:
         p.error(f"unknown prompts {unknown}; choose from {', '.join(PROMPTS)}")
-    if (args.strategy == "speculative") != (args.assistant is not None):
-        p.error("--assistant goes with --strategy speculative, and it needs one")
+    if args.strategy == "speculative" and args.assistant is None:
+        p.error("--strategy speculative needs an --assistant")
+    if args.assistant is not None and "assistant_model" not in STRATEGIES[args.strategy]:
+        p.error(f"--strategy {args.strategy} takes no --assistant")
     record = Record("bench_rounds", __file__, argv, args.results)
 
     import jaxspec
