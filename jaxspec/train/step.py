@@ -5,8 +5,8 @@ attribute starts with "mtp" (`mtp_layers` in Llama models, the stacked `mtp_*` a
 frozen is everything else (the target, the draft vocabulary). A DFlash drafter is a module of its own: its
 `nnx.Param`s train, and its draft vocabulary and the target (whose embedding and head the drafter reads) are frozen.
 An EAGLE-3 head trains its `nnx.Param`s but an embedding table of its own (SpecForge freezes that too); its draft
-vocabulary and the target are frozen. A step takes the frozen state as an argument that is never donated, and donates the trainable
-params and the optimizer state, which it replaces.
+vocabulary and the target are frozen. A step takes the frozen state as an argument that is never donated, and
+donates the trainable params and the optimizer state, which it replaces.
 """
 
 from __future__ import annotations
